@@ -1,0 +1,97 @@
+"""Paged KV storage: writing new tokens into pages and gathering a row's pages back.
+
+Layouts (P pages of S tokens each):
+- MLA: ``[P, S, X]`` (latent X = kv_lora_rank, rope key X = qk_rope_head_dim), no head axis:
+  the latent is shared by all heads.
+- GQA: ``[KVH, P, S, D]`` (heads first, so a tensor-parallel split over KV heads is a split
+  of the leading axis).
+
+JAX gather/scatter clip or wrap out-of-range indices. Every index computed here is mapped to
+an explicit out-of-range sentinel (P) and written with ``mode="drop"``, so a bad page id or a
+position past the page table drops the write instead of landing in somebody else's page.
+Reads go through the page tracker's check (engine side), which fails such rows closed.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxserve.kv.formats import KVFormat
+
+
+def token_slots(page_table, positions, valid, page_size: int, num_pages: int):
+    """page_table [B, M], positions [B, T], valid [B, T] -> (page [B, T], offset [B, T]).
+
+    Invalid tokens, positions past the page table and page ids outside [0, P) get page = P
+    (out of range: the scatter drops them).
+    """
+    m = page_table.shape[1]
+    logical = positions // page_size
+    in_table = valid & (logical >= 0) & (logical < m)
+    page = jnp.take_along_axis(page_table, jnp.clip(logical, 0, m - 1), axis=1)
+    ok = in_table & (page >= 0) & (page < num_pages)
+    return jnp.where(ok, page, num_pages), positions % page_size
+
+
+def write_tokens(pool, values, page, offset):
+    """pool [P, S, X] <- values [B, T, X] at (page, offset) [B, T]; out-of-range pages dropped."""
+    return pool.at[page, offset].set(values.astype(pool.dtype), mode="drop")
+
+
+def write_tokens_headed(pool, values, page, offset):
+    """pool [H, P, S, D] <- values [B, T, H, D] (GQA layout)."""
+    v = jnp.moveaxis(values, 2, 0).astype(pool.dtype)  # [H, B, T, D]
+    return pool.at[:, page, offset].set(v, mode="drop")
+
+
+def write_scales(pool, scales, page, offset):
+    """pool [P, S] <- scales [B, T] (or [H, P, S] <- [B, T, H] via write_scales_headed)."""
+    return pool.at[page, offset].set(scales, mode="drop")
+
+
+def write_scales_headed(pool, scales, page, offset):
+    return pool.at[:, page, offset].set(jnp.moveaxis(scales, 2, 0), mode="drop")
+
+
+def gather_rows(pool, page_table):
+    """pool [P, S, ...] , page_table [B, M] -> [B, M*S, ...] (a row's pages in order)."""
+    g = pool[page_table]  # [B, M, S, ...]
+    b, m, s = g.shape[:3]
+    return g.reshape((b, m * s) + g.shape[3:])
+
+
+def gather_rows_headed(pool, page_table):
+    """pool [H, P, S, D], page_table [B, M] -> [B, H, M*S, D]."""
+    g = pool[:, page_table]  # [H, B, M, S, D]
+    h, b, m, s, d = g.shape
+    return jnp.moveaxis(g.reshape(h, b, m * s, d), 0, 1)
+
+
+def store(fmt: KVFormat, pools: dict, name: str, values, page, offset, headed: bool = False) -> dict:
+    """Quantize `values` with `fmt` and write values (+ scales) into pools[name] (+ name_scale)."""
+    q, scale = fmt.quantize(values)
+    out = dict(pools)
+    if headed:
+        out[name] = write_tokens_headed(pools[name], q, page, offset)
+        if scale is not None:
+            out[name + "_scale"] = write_scales_headed(pools[name + "_scale"], scale, page, offset)
+    else:
+        out[name] = write_tokens(pools[name], q, page, offset)
+        if scale is not None:
+            out[name + "_scale"] = write_scales(pools[name + "_scale"], scale, page, offset)
+    return out
+
+
+def load(fmt: KVFormat, pools: dict, name: str, page_table, dtype, headed: bool = False):
+    """Gather a row's pages for pools[name] and dequantize -> [B, C, X] or [B, H, C, D]."""
+    gather = gather_rows_headed if headed else gather_rows
+    q = gather(pools[name], page_table)
+    scale = gather(pools[name + "_scale"], page_table) if fmt.scaled else None
+    return fmt.dequantize(q, scale, dtype)
+
+
+def new_pool(fmt: KVFormat, shape: tuple[int, ...], name: str) -> dict:
+    """Zeroed storage for one cached tensor: values `shape` (+ float32 scales shape[:-1])."""
+    pools = {name: jnp.zeros(shape, fmt.dtype)}
+    if fmt.scaled:
+        pools[name + "_scale"] = jnp.zeros(shape[:-1], jnp.float32)
+    return pools

@@ -1,0 +1,199 @@
+"""DeepseekV3ForCausalLM: the Kimi K2.x architecture (MLA attention + DeepSeek MoE).
+
+MLA caches, per token, the normalised compressed latent [R = kv_lora_rank] and the rotated
+shared rope key [Dr = qk_rope_head_dim] in two page pools. Attention runs in the absorbed
+form: W_uk (the key half of kv_b_proj) is folded into the query and W_uv (the value half)
+into the output, so keys and values are never decompressed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.config import ConfigError, ModelConfig, parse_common, require
+from jaxserve.kv import paged
+from jaxserve.kv.formats import KVFormat
+from jaxserve.models.attention import mla_attention
+from jaxserve.models.base import CausalLM, WeightSpec, keep, layer_block_weights, t
+from jaxserve.models.layers import DenseMLP, MoE, RMSNorm, apply_rope, param
+
+
+class MLAttention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        d, h = cfg.hidden_size, cfg.num_attention_heads
+        r, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        self.cfg = cfg
+        if cfg.q_lora_rank:
+            self.q_a = param(rngs, (d, cfg.q_lora_rank), ("embed", None), dtype)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, 1e-6, dtype, rngs)
+            self.q_b = param(rngs, (cfg.q_lora_rank, h, cfg.qk_head_dim), (None, "heads", None), dtype)
+        else:
+            self.q_proj = param(rngs, (d, h, cfg.qk_head_dim), ("embed", "heads", None), dtype)
+        self.kv_a = param(rngs, (d, r + dr), ("embed", None), dtype)
+        self.kv_a_norm = RMSNorm(r, 1e-6, dtype, rngs)
+        self.kv_b = param(rngs, (r, h, cfg.qk_nope_head_dim + cfg.v_head_dim), (None, "heads", None), dtype)
+        self.o = param(rngs, (h, cfg.v_head_dim, d), ("heads", None, "embed"), dtype)
+
+    def __call__(self, x, rope, step, kv, fmt: KVFormat, page_size: int):
+        cfg = self.cfg
+        cos, sin = rope
+        nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank:
+            q = jnp.einsum("btq,qhk->bthk", self.q_a_norm(x @ self.q_a[...]), self.q_b[...])
+        else:
+            q = jnp.einsum("btd,dhk->bthk", x, self.q_proj[...])
+        q_nope, q_rope = q[..., :nope], apply_rope(q[..., nope:], cos, sin, cfg.rope_interleave)
+        ckv = x @ self.kv_a[...]  # [B, T, R + Dr]
+        lat = self.kv_a_norm(ckv[..., :r])
+        k_rope = apply_rope(ckv[..., r:], cos, sin, cfg.rope_interleave)
+
+        # Write this step's tokens into their pages, then read the cached context back.
+        num_pages = kv["latent"].shape[0]
+        page, off = paged.token_slots(step.page_table, step.positions, step.valid, page_size, num_pages)
+        kv = paged.store(fmt, kv, "latent", lat, page, off)
+        kv = paged.store(fmt, kv, "rope", k_rope, page, off)
+        ctx_lat = paged.load(fmt, kv, "latent", step.page_table, x.dtype)
+        ctx_rope = paged.load(fmt, kv, "rope", step.page_table, x.dtype)
+
+        kv_b = self.kv_b[...]
+        q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, kv_b[..., :nope])  # absorb W_uk
+        out_lat = mla_attention(
+            q_lat, q_rope, ctx_lat, ctx_rope, step.context_mask(page_size),
+            lat, k_rope, step.causal_mask(), cfg.softmax_scale,
+        )
+        out = jnp.einsum("bthr,rhv->bthv", out_lat, kv_b[..., nope:])  # absorb W_uv
+        return jnp.einsum("bthv,hvd->btd", out, self.o[...]), kv
+
+    def init_kv(self, num_pages: int, page_size: int, fmt: KVFormat) -> dict:
+        cfg = self.cfg
+        pools = paged.new_pool(fmt, (num_pages, page_size, cfg.kv_lora_rank), "latent")
+        pools.update(paged.new_pool(fmt, (num_pages, page_size, cfg.qk_rope_head_dim), "rope"))
+        return pools
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, index: int, dtype, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
+        self.attn = MLAttention(cfg, dtype, rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
+        if cfg.is_moe_layer(index):
+            self.mlp = MoE(cfg, dtype, rngs)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, rngs)
+
+    def __call__(self, x, rope, step, kv, fmt, page_size):
+        a, kv = self.attn(self.input_norm(x), rope, step, kv, fmt, page_size)
+        x = x + a
+        return x + self.mlp(self.post_attn_norm(x)), kv
+
+    def init_kv(self, num_pages, page_size, fmt):
+        return self.attn.init_kv(num_pages, page_size, fmt)
+
+
+class DeepseekV3(CausalLM):
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = rngs or nnx.Rngs(0)
+        layers = [DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_hidden_layers)]
+        super().__init__(cfg, layers, cfg.qk_rope_head_dim, dtype, rngs)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+ARCH = "DeepseekV3ForCausalLM"
+MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+
+
+def parse_config(raw: dict[str, Any]) -> ModelConfig:
+    common = parse_common(raw, ARCH)
+    if raw.get("attention_bias"):
+        raise ConfigError(f"{ARCH} with attention_bias=true is not supported")
+    scoring = raw.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise ConfigError(f"{ARCH} scoring_func={scoring!r} is not supported (only sigmoid, as DeepSeek-V3/Kimi K2)")
+    topk_method = raw.get("topk_method", "noaux_tc")
+    if topk_method != "noaux_tc":
+        raise ConfigError(f"{ARCH} topk_method={topk_method!r} is not supported (only noaux_tc)")
+    n_group = raw.get("n_group") or 1
+    return ModelConfig(
+        **common,
+        q_lora_rank=raw.get("q_lora_rank"),
+        kv_lora_rank=int(require(raw, "kv_lora_rank", ARCH)),
+        qk_rope_head_dim=int(require(raw, "qk_rope_head_dim", ARCH)),
+        qk_nope_head_dim=int(require(raw, "qk_nope_head_dim", ARCH)),
+        v_head_dim=int(require(raw, "v_head_dim", ARCH)),
+        rope_interleave=bool(raw.get("rope_interleave", True)),
+        n_routed_experts=int(require(raw, "n_routed_experts", ARCH)),
+        n_shared_experts=int(raw.get("n_shared_experts") or 0),
+        num_experts_per_tok=int(require(raw, "num_experts_per_tok", ARCH)),
+        moe_intermediate_size=int(require(raw, "moe_intermediate_size", ARCH)),
+        first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+        n_group=int(n_group),
+        topk_group=int(raw.get("topk_group") or n_group),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
+    )
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def weight_map(cfg: ModelConfig) -> list[WeightSpec]:
+    """Every parameter of ours with the HF tensors it is built from (explicit, no guessing)."""
+    h = cfg.num_attention_heads
+    specs = CausalLM.common_weights(cfg)
+    for i in range(cfg.num_hidden_layers):
+        hf, us = f"model.layers.{i}", f"layers/{i}"
+        a, ua = f"{hf}.self_attn", f"{us}/attn"
+        specs += [
+            WeightSpec(f"{us}/input_norm/scale", (f"{hf}.input_layernorm.weight",), keep),
+            WeightSpec(f"{us}/post_attn_norm/scale", (f"{hf}.post_attention_layernorm.weight",), keep),
+            WeightSpec(f"{ua}/kv_a", (f"{a}.kv_a_proj_with_mqa.weight",), t),
+            WeightSpec(f"{ua}/kv_a_norm/scale", (f"{a}.kv_a_layernorm.weight",), keep),
+            WeightSpec(f"{ua}/kv_b", (f"{a}.kv_b_proj.weight",), lambda w: w.T.reshape(w.shape[1], h, -1)),
+            WeightSpec(f"{ua}/o", (f"{a}.o_proj.weight",), lambda w: w.T.reshape(h, -1, w.shape[0])),
+        ]
+        if cfg.q_lora_rank:
+            specs += [
+                WeightSpec(f"{ua}/q_a", (f"{a}.q_a_proj.weight",), t),
+                WeightSpec(f"{ua}/q_a_norm/scale", (f"{a}.q_a_layernorm.weight",), keep),
+                WeightSpec(f"{ua}/q_b", (f"{a}.q_b_proj.weight",), lambda w: w.T.reshape(w.shape[1], h, -1)),
+            ]
+        else:
+            specs.append(WeightSpec(f"{ua}/q_proj", (f"{a}.q_proj.weight",), lambda w: w.T.reshape(w.shape[1], h, -1)))
+        if cfg.is_moe_layer(i):
+            specs += moe_weights(cfg, f"{hf}.mlp", f"{us}/mlp")
+        else:
+            specs += layer_block_weights(f"{hf}.mlp", f"{us}/mlp")
+    return specs
+
+
+def moe_weights(cfg: ModelConfig, hf: str, us: str) -> list[WeightSpec]:
+    """Router + per-expert tensors stacked into [E, in, out] + shared experts."""
+    e = cfg.n_routed_experts
+
+    def stack(*ws):
+        return np.stack([w.T for w in ws])
+
+    specs = [
+        WeightSpec(f"{us}/router", (f"{hf}.gate.weight",), lambda w: w.T.astype(np.float32)),
+        WeightSpec(f"{us}/router_bias", (f"{hf}.gate.e_score_correction_bias",), lambda b: b.astype(np.float32)),
+    ]
+    for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+        specs.append(WeightSpec(f"{us}/{ours}", tuple(f"{hf}.experts.{j}.{theirs}.weight" for j in range(e)), stack))
+    if cfg.n_shared_experts:
+        specs += layer_block_weights(f"{hf}.shared_experts", f"{us}/shared")
+    return specs
+
+
+def skip_tensor(cfg: ModelConfig, name: str) -> bool:
+    """Tensors present in real checkpoints that this model deliberately does not use."""
+    # Multi-token-prediction layers come after the last decoder layer (model.layers.61.* in Kimi K2).
+    if name.startswith("model.layers."):
+        idx = int(name.split(".")[2])
+        return idx >= cfg.num_hidden_layers
+    return False

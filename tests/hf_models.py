@@ -1,0 +1,64 @@
+"""Tiny random Hugging Face models, built and saved by the tests themselves (the reference)."""
+from __future__ import annotations
+
+import torch
+
+
+def deepseek_v3_config(**overrides):
+    from transformers import DeepseekV3Config
+
+    kw = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        n_shared_experts=1,
+        n_routed_experts=16,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        qk_nope_head_dim=16,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=4,
+        first_k_dense_replace=1,
+        max_position_embeddings=1024,
+        bos_token_id=0,
+        eos_token_id=1,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 256,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    )
+    kw.update(overrides)
+    return DeepseekV3Config(**kw)
+
+
+def build_deepseek_v3(path, seed: int = 0, dtype=torch.float32, **overrides):
+    """Build, randomise (incl. e_score_correction_bias, zero at init) and save; return the torch model."""
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(deepseek_v3_config(**overrides)).to(dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))  # non-trivial norm scales
+            elif p.dim() >= 2:
+                p.copy_(0.08 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    model.save_pretrained(path)
+    return model
