@@ -1,0 +1,207 @@
+"""Capacity planner: the article's figures, exact parameter counts, KV layouts, CLI."""
+import json
+
+import pytest
+
+from jaxserve.planner import (MODEL_PRESETS, UnsupportedArchitecture, count_params, kv_layout, load_model_config,
+                              parse_weight_format, plan)
+from jaxserve.planner.cli import main, parse_size
+
+KIMI, GLM46, GLM5 = (MODEL_PRESETS[k] for k in ("kimi-k2.6", "glm-4.6", "glm-5"))
+
+
+# ---------------------------------------------------------------- the article
+
+
+def test_kimi_kv_tokens_match_article():
+    bf16 = plan(KIMI, devices=8, device="h200", kv_format="bf16")
+    fp8 = plan(KIMI, devices=8, device="h200", kv_format="fp8")
+    assert bf16.formats["experts"] == "int4:g32" and bf16.formats["attention"] == "bf16"  # as shipped
+    assert bf16.kv_tokens == pytest.approx(686_000, rel=0.05)
+    assert fp8.kv_tokens == pytest.approx(1_370_000, rel=0.05)
+    assert 1.95 <= fp8.kv_tokens / bf16.kv_tokens <= 2.0  # fp8 scales cost a little
+    # tp=8: MLA latent replicated, so aggregate == per device, and ~48.2 GB of KV per GPU
+    assert bf16.kv_tokens == bf16.kv_tokens_per_device
+    assert bf16.kv_budget_bytes_per_device == pytest.approx(48.2e9, rel=0.02)
+
+
+def test_kimi_kv_bytes_per_token():
+    assert plan(KIMI, kv_format="bf16").kv_bytes_per_token == 61 * 576 * 2 == 70_272
+    assert plan(KIMI, kv_format="fp8", kv_scale_bytes=0).kv_bytes_per_token == 35_136
+    fp8 = plan(KIMI, kv_format="fp8")  # float32 scale for latent and rope, per layer
+    assert fp8.kv_bytes_per_token == 35_136 + 61 * 2 * 4
+    assert fp8.kv_scale_bytes_per_token == 488
+    assert fp8.kv_bytes_per_token_per_device == fp8.kv_bytes_per_token  # MLA: replicated
+
+
+def test_kimi_checkpoint_int4_g32_experts_bf16_rest():
+    r = plan(KIMI)
+    assert r.checkpoint_bytes == pytest.approx(594e9, rel=0.01)
+    # int4 g32: 0.5 B + 2 B / 32 per expert weight
+    assert r.checkpoint_bytes_by_group["experts"] == pytest.approx(r.params["experts"] * 0.5625, rel=1e-9)
+    assert r.weights_bytes_per_device > r.checkpoint_bytes / 8  # replicated parts
+
+
+def test_glm5_fp8_vs_int4():
+    fp8 = plan(GLM5, weights="fp8")
+    int4 = plan(GLM5, experts_format="int4:g128")  # rest bf16 as shipped
+    assert fp8.checkpoint_bytes == pytest.approx(744e9, rel=0.01)
+    assert int4.checkpoint_bytes == pytest.approx(412e9, rel=0.01)
+    assert int4.weights_bytes_per_device < fp8.weights_bytes_per_device
+    assert int4.kv_tokens > 2 * fp8.kv_tokens
+
+
+# ---------------------------------------------------------------- parameter counts
+
+
+@pytest.mark.parametrize("cfg,expected,rel", [(KIMI, 1.026e12, 0.01), (GLM46, 353e9, 0.03), (GLM5, 744e9, 0.03)])
+def test_param_counts(cfg, expected, rel):
+    p = count_params(cfg)
+    assert p["total"] == pytest.approx(expected, rel=rel)
+    assert p["total"] == sum(v for k, v in p.items() if k != "total")
+    assert p["experts"] > 0.9 * p["total"]
+
+
+def _tiny(cfg, **kw):
+    d = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    d.update(num_hidden_layers=5, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+             vocab_size=300, n_routed_experts=8)
+    if "q_lora_rank" in d:
+        d.update(q_lora_rank=48, kv_lora_rank=32, num_attention_heads=4, num_key_value_heads=4)
+    else:
+        d.update(num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+    return d | kw
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg,kw", [
+    (KIMI, {}), (KIMI, dict(q_lora_rank=None, attention_bias=True, tie_word_embeddings=True, n_shared_experts=2)),
+    (GLM46, {}), (GLM46, dict(use_qk_norm=False, attention_bias=False)),
+    (GLM5, dict(index_topk_freq=2, index_n_heads=4, index_head_dim=16)),
+    (GLM5, dict(attention_bias=True, index_n_heads=4, index_head_dim=16)),
+    (KIMI, "full"), (GLM46, "full"), (GLM5, "full")])
+def test_param_counts_equal_transformers(cfg, kw):
+    """Every parameter transformers builds (plus the e_score_correction_bias buffer), exactly."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    d = dict(cfg) if kw == "full" else _tiny(cfg, **kw)
+    arch = d["architectures"][0]
+    hf = {k: v for k, v in d.items() if k not in ("model_type", "architectures", "quantization_config")}
+    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**hf)
+    with torch.device("meta"):
+        model = getattr(transformers, arch)(config)
+    n = sum(p.numel() for p in model.parameters())
+    n += sum(b.numel() for name, b in model.named_buffers() if "e_score_correction_bias" in name)
+    assert count_params(d)["total"] == n
+
+
+def test_mtp_layers_optional():
+    assert count_params(GLM46, include_mtp=True)["total"] > count_params(GLM46)["total"]
+    assert count_params(KIMI, include_mtp=True) == count_params(KIMI)  # Kimi ships none
+
+
+# ---------------------------------------------------------------- KV layouts and sharding
+
+
+def test_gqa_kv_split_by_heads():
+    full = 92 * 2 * 8 * 128 * 2  # layers x (K, V) x kv_heads x head_dim x bf16
+    r8 = plan(GLM46, devices=8)
+    assert r8.kv_bytes_per_token == full and r8.kv_bytes_per_token_per_device == full // 8
+    r16 = plan(GLM46, devices=16)  # tp 16 > 8 KV heads: each device still holds one head
+    assert r16.kv_bytes_per_token_per_device == full // 8
+    r4 = plan(GLM46, devices=8, tp=4)  # 2 heads per device, 2 replicas
+    assert r4.kv_bytes_per_token_per_device == full // 4 and r4.dp == 2
+    assert r4.kv_tokens == 2 * r4.kv_tokens_per_device
+    fp8 = plan(GLM46, devices=8, kv_format="fp8")  # one float32 scale per token per head (K and V)
+    assert fp8.kv_bytes_per_token_per_device == full // 16 + 92 * 2 * 1 * 4
+
+
+def test_mla_kv_replicated_and_dp():
+    r = plan(KIMI, devices=8, tp=4)
+    assert r.dp == 2 and r.kv_bytes_per_token_per_device == r.kv_bytes_per_token
+    assert r.kv_tokens == 2 * r.kv_tokens_per_device
+    assert r.concurrent_sequences == 2 * (r.kv_tokens_per_device // r.context_len)
+
+
+def test_glm5_kv_counts_indexer_key():
+    lay = kv_layout(GLM5)
+    assert lay.kind == "mla" and lay.values == 78 * (512 + 64 + 128)
+
+
+def test_weights_that_do_not_fit():
+    r = plan(KIMI, devices=8, device="h100", weights="bf16")
+    assert not r.fits and r.kv_tokens == 0 and r.concurrent_sequences == 0
+
+
+# ---------------------------------------------------------------- formats and errors
+
+
+def test_weight_formats():
+    assert parse_weight_format("int4:g32").nbytes(128, 256) == 128 * 128 + 2 * 128 * 8
+    assert parse_weight_format("fp8").nbytes(256, 256) == 256 * 256 + 4 * 4
+    assert parse_weight_format("fp8:channel").nbytes(256, 256) == 256 * 256 + 4 * 256
+    assert parse_weight_format("bf16").nbytes(3, 5) == 30
+    with pytest.raises(ValueError, match="weight format"):
+        parse_weight_format("int3")
+    with pytest.raises(ValueError, match="KV format"):
+        plan(KIMI, kv_format="int2")
+    with pytest.raises(ValueError, match="divide"):
+        plan(KIMI, devices=8, tp=3)
+    assert parse_size("11GB") == 11 * 10**9 and parse_size("1GiB") == 2**30
+
+
+def test_unknown_architecture(capsys, tmp_path):
+    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
+    with pytest.raises(UnsupportedArchitecture, match="MixtralForCausalLM"):
+        plan(cfg)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["--model", str(path)]) == 2
+    assert "MixtralForCausalLM" in capsys.readouterr().err
+
+
+def test_multimodal_wrapper_uses_text_config():
+    wrapped = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": KIMI}
+    assert count_params(wrapped) == count_params(KIMI)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_config_json_path(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(KIMI))
+    for spec in (str(tmp_path / "config.json"), str(tmp_path)):
+        assert load_model_config(spec)[1] == KIMI
+        assert main(["--model", spec, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["kv_tokens"] == plan(KIMI).kv_tokens
+
+
+def test_cli_json_keys(capsys):
+    assert main(["--model", "kimi-k2.6", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("weights_bytes_per_device", "kv_bytes_per_token", "kv_tokens", "checkpoint_bytes", "params",
+                "concurrent_sequences", "assumptions", "formats", "usable_fraction", "reserve_bytes"):
+        assert key in out
+    assert out["params"]["total"] == count_params(KIMI)["total"]
+
+
+def test_cli_compare_and_table(capsys):
+    assert main(["--model", "kimi-k2.6", "--compare", "kv", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert plans["fp8 KV"]["kv_tokens"] > 1.95 * plans["bf16 KV"]["kv_tokens"]
+    assert main(["--model", "glm-5", "--compare", "weights", "--reserve", "10GiB"]) == 0
+    text = capsys.readouterr().out
+    assert "705 GB" in text and "int4 g128 + fp8" in text and "assumptions:" in text
+    assert main(["--experts-format", "int4:g32", "--rest-format", "bf16", "--kv-format", "fp8"]) == 0
+    assert "1,361,350" in capsys.readouterr().out
+
+
+def test_register_adds_plan_subcommand(capsys):
+    import argparse
+
+    from jaxserve.planner.cli import register
+    parser = argparse.ArgumentParser(prog="jaxserve")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plan", "--model", "glm-4.6", "--kv-format", "fp8", "--json"])
+    assert args.func(args) == 0
+    assert json.loads(capsys.readouterr().out)["kv_bytes_per_token_per_device"] == 92 * 2 * (128 + 4)
