@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.step import StepInput
-from jaxserve.sharding import Mesh, replicated
+from jaxserve.sharding import MODEL_AXIS, Mesh, NamedSharding, PartitionSpec, replicated
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -40,8 +40,12 @@ class ModelRunner:
         self.compile_count = 0
 
     def kv_sharding(self, kv):
-        # MLA latent pools carry no head axis: replicated on every device.
-        return jax.tree.map(lambda _: replicated(self.mesh), kv)
+        """MLA pools [P, S, X] have no head axis: replicated on every device (each head reads
+        the whole latent). GQA pools [KVH, P, S, D] split by KV head when the heads divide."""
+        n = self.mesh.shape[MODEL_AXIS]
+        if self.cfg.is_mla or self.cfg.num_key_value_heads % n:
+            return jax.tree.map(lambda _: replicated(self.mesh), kv)
+        return jax.tree.map(lambda _: NamedSharding(self.mesh, PartitionSpec(MODEL_AXIS)), kv)
 
     def _fn(self, all_logits: bool):
         key = all_logits

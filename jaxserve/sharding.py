@@ -5,7 +5,7 @@ MLPs over their intermediate width, routed experts are expert-parallel (whole ex
 device), the vocabulary is split for the embedding and the LM head, and the MLA latent
 cache is replicated (every head reads the whole latent). XLA's SPMD partitioner inserts
 the collectives. A dimension that does not divide evenly over the mesh is an error, not a
-silent replication.
+silent replication (except KV heads, replicated when they do not divide, as in vLLM).
 """
 from __future__ import annotations
 
@@ -52,6 +52,11 @@ def spec_for(logical_axes, shape, mesh: Mesh, name: str = "") -> PartitionSpec:
             raise ShardingError(f"no sharding rule for logical axis {axis!r} of {name}")
         mesh_axis = RULES[axis]
         if mesh_axis is None or size == 1 or mesh_axis in used:
+            out.append(None)
+            continue
+        if dim % size and axis == "kv_heads":
+            # Fewer KV heads than devices (or not a multiple): every device keeps all KV heads,
+            # as vLLM does; the query heads are still split.
             out.append(None)
             continue
         if dim % size:

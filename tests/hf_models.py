@@ -62,3 +62,52 @@ def build_deepseek_v3(path, seed: int = 0, dtype=torch.float32, **overrides):
                 b.copy_(0.05 * torch.randn_like(b))
     model.save_pretrained(path)
     return model
+
+
+def _randomise(model, seed):
+    torch.manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.05 * torch.randn_like(p))
+            elif p.dim() >= 2:
+                p.copy_(0.08 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    return model
+
+
+def build_glm4_moe(path, seed: int = 0, **overrides):
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    kw = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+        n_shared_experts=1, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+        routed_scaling_factor=1.5, first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
+        max_position_embeddings=1024, bos_token_id=0, eos_token_id=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = _randomise(Glm4MoeForCausalLM(Glm4MoeConfig(**kw)).eval(), seed)
+    model.save_pretrained(path)
+    return model
+
+
+def build_llama(path, seed: int = 0, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+        bos_token_id=0, eos_token_id=1, tie_word_embeddings=True, rope_theta=10000.0,
+    )
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = _randomise(LlamaForCausalLM(LlamaConfig(**kw)).eval(), seed)
+    model.save_pretrained(path)
+    return model

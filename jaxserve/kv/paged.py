@@ -60,10 +60,10 @@ def gather_rows(pool, page_table):
 
 
 def gather_rows_headed(pool, page_table):
-    """pool [H, P, S, D], page_table [B, M] -> [B, H, M*S, D]."""
-    g = pool[:, page_table]  # [H, B, M, S, D]
-    h, b, m, s, d = g.shape
-    return jnp.moveaxis(g.reshape(h, b, m * s, d), 0, 1)
+    """pool [H, P, S, ...], page_table [B, M] -> [B, H, M*S, ...]."""
+    g = pool[:, page_table]  # [H, B, M, S, ...]
+    h, b, m, s = g.shape[:4]
+    return jnp.moveaxis(g.reshape((h, b, m * s) + g.shape[4:]), 0, 1)
 
 
 def store(fmt: KVFormat, pools: dict, name: str, values, page, offset, headed: bool = False) -> dict:

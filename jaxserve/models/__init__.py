@@ -58,18 +58,19 @@ def get_architecture(cfg: ModelConfig) -> Architecture:
 
 
 def _register_builtin():
-    from jaxserve.models import deepseek_v3
+    from jaxserve.models import deepseek_v3, glm4_moe, llama
 
-    register(
-        Architecture(
-            name=deepseek_v3.ARCH,
-            model_types=deepseek_v3.MODEL_TYPES,
-            parse_config=deepseek_v3.parse_config,
-            build=deepseek_v3.DeepseekV3,
-            weight_map=deepseek_v3.weight_map,
-            skip_tensor=deepseek_v3.skip_tensor,
+    for module, build in ((deepseek_v3, deepseek_v3.DeepseekV3), (glm4_moe, glm4_moe.Glm4Moe), (llama, llama.Llama)):
+        register(
+            Architecture(
+                name=module.ARCH,
+                model_types=module.MODEL_TYPES,
+                parse_config=module.parse_config,
+                build=build,
+                weight_map=module.weight_map,
+                skip_tensor=module.skip_tensor,
+            )
         )
-    )
 
 
 _register_builtin()

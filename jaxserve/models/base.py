@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.kv.formats import KVFormat
-from jaxserve.models.layers import RMSNorm, param, rope_cos_sin, rope_inv_freq
+from jaxserve.models.layers import DenseMLP, MoE, RMSNorm, param, rope_cos_sin, rope_inv_freq
 from jaxserve.models.step import StepInput, last_token_index
 
 
@@ -40,6 +40,27 @@ def t(a):  # HF Linear weights are [out, in]; ours are [in, out]
 
 def keep(a):
     return a
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); MoE from first_k_dense_replace on."""
+
+    def __init__(self, cfg: ModelConfig, index: int, attn: nnx.Module, dtype, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
+        self.attn = attn
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
+        if cfg.is_moe_layer(index):
+            self.mlp = MoE(cfg, dtype, rngs)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, rngs)
+
+    def __call__(self, x, rope, step, kv, fmt, page_size):
+        a, kv = self.attn(self.input_norm(x), rope, step, kv, fmt, page_size)
+        x = x + a
+        return x + self.mlp(self.post_attn_norm(x)), kv
+
+    def init_kv(self, num_pages, page_size, fmt):
+        return self.attn.init_kv(num_pages, page_size, fmt)
 
 
 class CausalLM(nnx.Module):
@@ -92,3 +113,42 @@ def layer_block_weights(prefix: str, target: str, names=("gate", "up", "down")) 
     return [
         WeightSpec(f"{target}/{n}", (f"{prefix}.{n}_proj.weight",), t) for n in names
     ]
+
+
+def moe_weights(cfg: ModelConfig, hf: str, us: str) -> list[WeightSpec]:
+    """Router + per-expert tensors stacked into [E, in, out] + shared experts."""
+    e = cfg.n_routed_experts
+
+    def stack(*ws):
+        return np.stack([w.T for w in ws])
+
+    specs = [
+        WeightSpec(f"{us}/router", (f"{hf}.gate.weight",), lambda w: w.T.astype(np.float32)),
+        WeightSpec(f"{us}/router_bias", (f"{hf}.gate.e_score_correction_bias",), lambda b: b.astype(np.float32)),
+    ]
+    for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+        specs.append(WeightSpec(f"{us}/{ours}", tuple(f"{hf}.experts.{j}.{theirs}.weight" for j in range(e)), stack))
+    if cfg.n_shared_experts:
+        specs += layer_block_weights(f"{hf}.shared_experts", f"{us}/shared")
+    return specs
+
+
+def skip_mtp_layers(cfg: ModelConfig, name: str) -> bool:
+    """Tensors present in real checkpoints that this model deliberately does not use."""
+    # Multi-token-prediction layers come after the last decoder layer (model.layers.61.* in Kimi K2).
+    if name.startswith("model.layers."):
+        idx = int(name.split(".")[2])
+        return idx >= cfg.num_hidden_layers
+    return False
+
+
+def block_weights(cfg: ModelConfig, i: int) -> list[WeightSpec]:
+    """The parts of decoder layer i shared by every family: the two norms and the MLP or MoE."""
+    hf, us = f"model.layers.{i}", f"layers/{i}"
+    specs = [
+        WeightSpec(f"{us}/input_norm/scale", (f"{hf}.input_layernorm.weight",), keep),
+        WeightSpec(f"{us}/post_attn_norm/scale", (f"{hf}.post_attention_layernorm.weight",), keep),
+    ]
+    if cfg.is_moe_layer(i):
+        return specs + moe_weights(cfg, f"{hf}.mlp", f"{us}/mlp")
+    return specs + layer_block_weights(f"{hf}.mlp", f"{us}/mlp")

@@ -10,15 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxserve.config import ConfigError, ModelConfig, parse_common, require
 from jaxserve.kv import paged
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.attention import mla_attention
-from jaxserve.models.base import CausalLM, WeightSpec, keep, layer_block_weights, t
-from jaxserve.models.layers import DenseMLP, MoE, RMSNorm, apply_rope, param
+from jaxserve.models.base import CausalLM, DecoderLayer, WeightSpec, keep, block_weights, skip_mtp_layers, t
+from jaxserve.models.layers import RMSNorm, apply_rope, param
 
 
 class MLAttention(nnx.Module):
@@ -74,29 +73,10 @@ class MLAttention(nnx.Module):
         return pools
 
 
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, index: int, dtype, rngs: nnx.Rngs):
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
-        self.attn = MLAttention(cfg, dtype, rngs)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
-        if cfg.is_moe_layer(index):
-            self.mlp = MoE(cfg, dtype, rngs)
-        else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, rngs)
-
-    def __call__(self, x, rope, step, kv, fmt, page_size):
-        a, kv = self.attn(self.input_norm(x), rope, step, kv, fmt, page_size)
-        x = x + a
-        return x + self.mlp(self.post_attn_norm(x)), kv
-
-    def init_kv(self, num_pages, page_size, fmt):
-        return self.attn.init_kv(num_pages, page_size, fmt)
-
-
 class DeepseekV3(CausalLM):
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         rngs = rngs or nnx.Rngs(0)
-        layers = [DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_hidden_layers)]
+        layers = [DecoderLayer(cfg, i, MLAttention(cfg, dtype, rngs), dtype, rngs) for i in range(cfg.num_hidden_layers)]
         super().__init__(cfg, layers, cfg.qk_rope_head_dim, dtype, rngs)
 
 
@@ -150,8 +130,6 @@ def weight_map(cfg: ModelConfig) -> list[WeightSpec]:
         hf, us = f"model.layers.{i}", f"layers/{i}"
         a, ua = f"{hf}.self_attn", f"{us}/attn"
         specs += [
-            WeightSpec(f"{us}/input_norm/scale", (f"{hf}.input_layernorm.weight",), keep),
-            WeightSpec(f"{us}/post_attn_norm/scale", (f"{hf}.post_attention_layernorm.weight",), keep),
             WeightSpec(f"{ua}/kv_a", (f"{a}.kv_a_proj_with_mqa.weight",), t),
             WeightSpec(f"{ua}/kv_a_norm/scale", (f"{a}.kv_a_layernorm.weight",), keep),
             WeightSpec(f"{ua}/kv_b", (f"{a}.kv_b_proj.weight",), lambda w: w.T.reshape(w.shape[1], h, -1)),
@@ -165,35 +143,8 @@ def weight_map(cfg: ModelConfig) -> list[WeightSpec]:
             ]
         else:
             specs.append(WeightSpec(f"{ua}/q_proj", (f"{a}.q_proj.weight",), lambda w: w.T.reshape(w.shape[1], h, -1)))
-        if cfg.is_moe_layer(i):
-            specs += moe_weights(cfg, f"{hf}.mlp", f"{us}/mlp")
-        else:
-            specs += layer_block_weights(f"{hf}.mlp", f"{us}/mlp")
+        specs += block_weights(cfg, i)
     return specs
 
 
-def moe_weights(cfg: ModelConfig, hf: str, us: str) -> list[WeightSpec]:
-    """Router + per-expert tensors stacked into [E, in, out] + shared experts."""
-    e = cfg.n_routed_experts
-
-    def stack(*ws):
-        return np.stack([w.T for w in ws])
-
-    specs = [
-        WeightSpec(f"{us}/router", (f"{hf}.gate.weight",), lambda w: w.T.astype(np.float32)),
-        WeightSpec(f"{us}/router_bias", (f"{hf}.gate.e_score_correction_bias",), lambda b: b.astype(np.float32)),
-    ]
-    for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
-        specs.append(WeightSpec(f"{us}/{ours}", tuple(f"{hf}.experts.{j}.{theirs}.weight" for j in range(e)), stack))
-    if cfg.n_shared_experts:
-        specs += layer_block_weights(f"{hf}.shared_experts", f"{us}/shared")
-    return specs
-
-
-def skip_tensor(cfg: ModelConfig, name: str) -> bool:
-    """Tensors present in real checkpoints that this model deliberately does not use."""
-    # Multi-token-prediction layers come after the last decoder layer (model.layers.61.* in Kimi K2).
-    if name.startswith("model.layers."):
-        idx = int(name.split(".")[2])
-        return idx >= cfg.num_hidden_layers
-    return False
+skip_tensor = skip_mtp_layers
