@@ -1,0 +1,322 @@
+"""Host-side KV page manager: free list, refcounts, prefix cache, generation mirror.
+
+Plain Python + numpy (no JAX), so the scheduler and its tests never compile anything.
+
+Pages
+    The KV pool has ``num_pages`` pages of ``page_size`` tokens. Page 0 is the NULL page:
+    nothing ever owns it and it is never on the free list, so a page table redirected to
+    it (after a failed integrity check) never reads live data. Every other page is in
+    exactly one of three states:
+
+    * free       -- on ``_free`` (FIFO), holds nothing worth keeping;
+    * evictable  -- refcount 0 but holds a FULL page registered in the prefix cache; kept
+                    in ``_evictable`` in LRU order and evicted (hash entry dropped) only
+                    when the free list is empty and a new page is needed;
+    * used       -- refcount > 0, mapped by that many live sequences.
+
+Prefix cache
+    Full pages only, keyed by a hash chain ``h_i = hash_page(h_{i-1}, tokens_of_page_i)``
+    (blake2b, stable across processes). A hit is VERIFIED against the page's stored
+    tokens and parent hash, so a hash collision can never share a page. Pages are
+    registered by ``commit_full_pages`` only after their KV has been written.
+
+Generations (the integrity design, see DESIGN.md section 3)
+    ``generation[p]`` is bumped when page ``p`` is acquired from free/evictable state
+    (refcount 0 -> 1) and again when released (1 -> 0): odd = owned, even = not owned.
+    A second sharer of a cached prefix page does not bump it. Each sequence records the
+    generation current when it mapped each page; the device-side ``PageTracker.check``
+    compares the two. The host mirrors the device array and hands the runner the pages
+    changed since the last step via ``take_generation_updates``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+NULL_PAGE = 0
+
+
+class NoFreePagesError(RuntimeError):
+    """Not enough free or evictable pages; the manager's state was left unchanged."""
+
+    def __init__(self, needed: int, available: int):
+        super().__init__(f"need {needed} free KV pages, only {available} available")
+        self.needed = needed
+        self.available = available
+
+
+class Allocation(NamedTuple):
+    """Result of ``allocate_prompt``.
+
+    pages: the sequence's page table, ``ceil(len(prompt) / page_size)`` page ids.
+    num_cached_tokens: leading prompt tokens whose KV is already in ``pages`` (a multiple
+        of page_size, <= len(prompt) - 1); prefill computes only the rest.
+    """
+
+    pages: list[int]
+    num_cached_tokens: int
+
+
+class GenerationUpdates(NamedTuple):
+    """Generation bumps since the last ``take_generation_updates``, for the device copy.
+
+    pages: int32[K], distinct page ids, ascending.
+    counts: int32[K], how many times each was bumped (apply with ``gen.at[pages].add``).
+    """
+
+    pages: np.ndarray
+    counts: np.ndarray
+
+
+def hash_page(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Stable 128-bit chain hash of one full page given its parent's hash.
+
+    Python's ``hash()`` is salted per process; this one is not, so hashes are comparable
+    across restarts and processes (e.g. a prefill and a decode worker).
+    """
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"root" if parent_hash is None else parent_hash.to_bytes(16, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+@dataclasses.dataclass
+class _CachedPage:
+    """What a cached full page holds; used to verify a hash hit."""
+
+    page_hash: int
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class _SeqPages:
+    pages: list[int]
+    expected: list[int]  # generation of pages[i] when this sequence mapped it
+    num_cached_tokens: int
+    block_hashes: list[int]  # hash chain of the leading full pages already committed
+
+
+class BlockManager:
+    """Pages, refcounts, prefix cache and generation mirror for one KV pool.
+
+    Sequence ids are any hashable request id. Every mutating call either succeeds or
+    raises with the state unchanged.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.refcount = np.zeros(num_pages, dtype=np.int32)  # [num_pages]; read-only outside
+        self.generation = np.zeros(num_pages, dtype=np.int32)  # [num_pages]; device mirror
+        self._free: deque[int] = deque(range(1, num_pages))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest release first
+        self._cached: dict[int, _CachedPage] = {}  # page -> contents, for cached pages
+        self._hash_to_page: dict[int, int] = {}
+        self._seqs: dict[Hashable, _SeqPages] = {}
+        self._pending: dict[int, int] = {}  # page -> bumps not yet taken by the runner
+
+    # ---- capacity -------------------------------------------------------------------
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages a new allocation may use: free plus evictable."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_used_pages(self) -> int:
+        """Pages with refcount > 0 (the null page is never counted)."""
+        return self.num_pages - 1 - self.num_free_pages
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Conservative: ignores prefix hits, which can only lower the need."""
+        return self.pages_for(num_tokens) <= self.num_free_pages
+
+    def can_append_slots(self, seq_id: Hashable, new_total_len: int) -> bool:
+        seq = self._seq(seq_id)
+        return self.pages_for(new_total_len) - len(seq.pages) <= self.num_free_pages
+
+    # ---- allocation -----------------------------------------------------------------
+
+    def allocate_prompt(self, seq_id: Hashable, token_ids: Sequence[int]) -> Allocation:
+        """Map pages for a new sequence's prompt, reusing cached prefix pages.
+
+        Raises NoFreePagesError (state unchanged) if the rest does not fit.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already has pages")
+        n = len(token_ids)
+        if n < 1:
+            raise ValueError("a prompt needs at least one token")
+        hits, hashes = self._match_prefix(token_ids)
+        num_new = self.pages_for(n) - len(hits)
+        # A hit on an evictable page consumes it just like a new page would.
+        available = self.num_free_pages - sum(1 for p in hits if self.refcount[p] == 0)
+        if num_new > available:
+            raise NoFreePagesError(num_new, available)
+
+        expected = [self._acquire(p) for p in hits]  # before _take_page can evict them
+        new_pages = [self._take_page() for _ in range(num_new)]
+        expected += [self._acquire(p) for p in new_pages]
+        pages = hits + new_pages
+        num_cached = len(hits) * self.page_size
+        self._seqs[seq_id] = _SeqPages(pages, expected, num_cached, hashes)
+        return Allocation(list(pages), num_cached)
+
+    def append_slots(self, seq_id: Hashable, new_total_len: int) -> list[int]:
+        """Grow a sequence to hold ``new_total_len`` tokens; returns the pages added.
+
+        Raises NoFreePagesError (state unchanged) if they do not fit.
+        """
+        seq = self._seq(seq_id)
+        num_new = self.pages_for(new_total_len) - len(seq.pages)
+        if num_new <= 0:
+            return []
+        if num_new > self.num_free_pages:
+            raise NoFreePagesError(num_new, self.num_free_pages)
+        new_pages = [self._take_page() for _ in range(num_new)]
+        seq.expected += [self._acquire(p) for p in new_pages]
+        seq.pages += new_pages
+        return new_pages
+
+    def commit_full_pages(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        """Register the sequence's newly FULL pages in the prefix cache.
+
+        token_ids: the sequence's tokens (prompt + generated) whose KV has been written.
+        Call only after the KV is on device, or a later hit would read garbage.
+        """
+        seq = self._seq(seq_id)
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(len(token_ids) // self.page_size, len(seq.pages))
+        for i in range(len(seq.block_hashes), num_full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            block = tuple(int(t) for t in token_ids[i * self.page_size:(i + 1) * self.page_size])
+            h = hash_page(parent, block)
+            seq.block_hashes.append(h)
+            page = seq.pages[i]
+            # First writer wins: a duplicate (or a colliding hash) leaves this page
+            # uncached, so it goes back to the free list when released.
+            if h not in self._hash_to_page and page not in self._cached:
+                self._hash_to_page[h] = page
+                self._cached[page] = _CachedPage(h, parent, block)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release a sequence's pages (finish, abort or preemption)."""
+        seq = self._seq(seq_id)
+        del self._seqs[seq_id]
+        # Release the tail first: in LRU order it is then evicted before the prefix,
+        # which is the part other requests are likely to share.
+        for page in reversed(seq.pages):
+            self.refcount[page] -= 1
+            if self.refcount[page] == 0:
+                self._bump(page)
+                if page in self._cached:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
+
+    # ---- queries --------------------------------------------------------------------
+
+    def page_table(self, seq_id: Hashable) -> list[int]:
+        return list(self._seq(seq_id).pages)
+
+    def expected_generations(self, seq_id: Hashable) -> list[int]:
+        return list(self._seq(seq_id).expected)
+
+    def num_cached_tokens(self, seq_id: Hashable) -> int:
+        return self._seq(seq_id).num_cached_tokens
+
+    def has_seq(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def live_seqs(self) -> list[Hashable]:
+        return list(self._seqs)
+
+    def is_cached(self, page: int) -> bool:
+        """Whether the page holds a full page registered in the prefix cache."""
+        return page in self._cached
+
+    def take_generation_updates(self) -> GenerationUpdates:
+        """Pages whose generation changed since the last call, with bump counts.
+
+        The runner applies them to the device copy once per step
+        (``PageTracker.apply_updates``); afterwards device == ``self.generation``.
+        """
+        pages = np.array(sorted(self._pending), dtype=np.int32)
+        counts = np.array([self._pending[p] for p in pages.tolist()], dtype=np.int32)
+        self._pending.clear()
+        return GenerationUpdates(pages, counts)
+
+    # ---- internals ------------------------------------------------------------------
+
+    def _seq(self, seq_id: Hashable) -> _SeqPages:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown sequence {seq_id!r}") from None
+
+    def _match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Longest verified run of cached leading full pages, and their chain hashes."""
+        if not self.enable_prefix_caching:
+            return [], []
+        # At least the last token must be computed (its logits start decoding), so only
+        # pages lying entirely within the first len-1 tokens may be hits.
+        max_hits = (len(token_ids) - 1) // self.page_size
+        pages: list[int] = []
+        hashes: list[int] = []
+        parent = None
+        for i in range(max_hits):
+            block = tuple(int(t) for t in token_ids[i * self.page_size:(i + 1) * self.page_size])
+            h = hash_page(parent, block)
+            page = self._hash_to_page.get(h)
+            if page is None:
+                break
+            entry = self._cached[page]
+            # Verify, never trust the hash: a collision must not share someone else's KV.
+            if entry.token_ids != block or entry.parent_hash != parent:
+                break
+            pages.append(page)
+            hashes.append(h)
+            parent = h
+        return pages, hashes
+
+    def _take_page(self) -> int:
+        """A page with refcount 0 for a new owner; evicts the LRU cached page if needed."""
+        if self._free:
+            return self._free.popleft()
+        page, _ = self._evictable.popitem(last=False)
+        entry = self._cached.pop(page)
+        del self._hash_to_page[entry.page_hash]
+        # Back in "free" state: _acquire below sees refcount 0 and does the bump.
+        return page
+
+    def _acquire(self, page: int) -> int:
+        """Map a page for one more sequence; returns the generation it must expect."""
+        assert page != NULL_PAGE
+        if self.refcount[page] == 0:
+            self._evictable.pop(page, None)
+            self._bump(page)
+        self.refcount[page] += 1
+        return int(self.generation[page])
+
+    def _bump(self, page: int) -> None:
+        self.generation[page] += 1
+        self._pending[page] = self._pending.get(page, 0) + 1
