@@ -52,3 +52,14 @@ def test_paged_decode_equals_full_forward(case, kv_format, bound):
     err = np.abs(dec - full[p - 1 : -1]).max()
     print(f"{name} kv={kv_format}: paged decode vs full forward max |logprob diff| = {err:.3e}")
     assert err <= bound
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2], ids=["kv-split-by-head", "kv-replicated"])
+def test_glm_eight_devices_equal_one(tmp_path, kv_heads):
+    build_glm4_moe(tmp_path, num_hidden_layers=2, num_key_value_heads=kv_heads)
+    one = LLM(str(tmp_path), num_pages=16, page_size=8)
+    eight = LLM(str(tmp_path), num_pages=16, page_size=8, num_devices=8)
+    pool = eight.runner.kv[0]["k"]
+    assert pool.sharding.is_fully_replicated == (kv_heads == 2)
+    assert np.abs(one.logprobs(PROMPT) - eight.logprobs(PROMPT)).max() < 1e-5
+    assert one.generate([PROMPT], max_tokens=6) == eight.generate([PROMPT], max_tokens=6)
