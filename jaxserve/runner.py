@@ -1,20 +1,33 @@
-"""The model runner: owns the parameters and the KV pools and runs jitted steps.
+"""The model runner: owns the parameters, the KV pools and the page generations, and runs
+the jitted programs.
 
-``step(params, kv, StepInput) -> (logits, kv)`` is one pure function, jitted per padding
-bucket (batch, new tokens, pages per row) with the KV pools donated, so the cache is
-updated in place. Parameters are passed as the flat leaves of the NNX state (cheaper to
-dispatch than an ``nnx.State``).
+Two serving programs, ``prefill`` and ``decode``, each jitted separately, once per padding
+bucket (batch rows x new tokens; the page-table width is fixed to the longest sequence),
+with the KV pools donated so they are updated in place. Each program first runs the page
+tracker's batched check on every row's page table; a failing row is redirected to the null
+page and writes nothing, and the caller aborts its request.
+
+Parameters are passed as the flat leaves of the NNX state (cheaper to dispatch than an
+``nnx.State``). After ``warmup()`` any new compilation of a serving program is counted, and
+raises ``RecompilationError`` when ``strict``.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.engine.page_tracker import NoOpTracker, PageTracker, pad_updates
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.step import StepInput
 from jaxserve.sharding import MODEL_AXIS, Mesh, NamedSharding, PartitionSpec, replicated
+
+
+class RecompilationError(RuntimeError):
+    """A serving program compiled after warm-up (a shape escaped the padding buckets)."""
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -23,21 +36,50 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def pow2_buckets(lo: int, hi: int) -> list[int]:
+    out, b = [], bucket(lo)
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return out + [bucket(hi)]
+
+
+@dataclasses.dataclass
+class StepResult:
+    logits: jax.Array  # f32 [B, V] at each row's last new token (padded rows included)
+    ok: np.ndarray  # bool [B] integrity check per row
+    cause: np.ndarray  # int32 [B] page_tracker cause codes
+
+
 class ModelRunner:
-    def __init__(self, model, fmt: KVFormat, num_pages: int, page_size: int, mesh: Mesh | None = None):
+    def __init__(
+        self,
+        model,
+        fmt: KVFormat,
+        num_pages: int,
+        page_size: int,
+        mesh: Mesh | None = None,
+        tracker: PageTracker | NoOpTracker | None = None,
+        max_pages_per_seq: int | None = None,
+    ):
         self.cfg = model.cfg
         self.fmt = fmt
         self.num_pages = num_pages
         self.page_size = page_size
         self.mesh = mesh
+        self.tracker = tracker if tracker is not None else PageTracker()
+        self.max_pages_per_seq = bucket(max_pages_per_seq or num_pages - 1)
         self.graphdef, state = nnx.split(model)
         self.params, self.treedef = jax.tree.flatten(state)
         kv = model.init_kv(num_pages, page_size, fmt)
         if mesh is not None:
             kv = jax.device_put(kv, self.kv_sharding(kv))
         self.kv = kv
-        self._compiled: dict = {}
-        self.compile_count = 0
+        self.generation = self.tracker.init(num_pages)
+        self._jitted: dict = {}
+        self.warm = False
+        self.strict = False
+        self.compiles_after_warmup = 0
 
     def kv_sharding(self, kv):
         """MLA pools [P, S, X] have no head axis: replicated on every device (each head reads
@@ -47,32 +89,107 @@ class ModelRunner:
             return jax.tree.map(lambda _: replicated(self.mesh), kv)
         return jax.tree.map(lambda _: NamedSharding(self.mesh, PartitionSpec(MODEL_AXIS)), kv)
 
-    def _fn(self, all_logits: bool):
-        key = all_logits
-        if key not in self._compiled:
-            graphdef, treedef, fmt, page_size = self.graphdef, self.treedef, self.fmt, self.page_size
+    # ------------------------------------------------------------------ programs
+    def _model_fn(self, all_logits: bool):
+        graphdef, treedef, fmt, page_size = self.graphdef, self.treedef, self.fmt, self.page_size
 
-            def step(params, kv, inp: StepInput):
-                model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-                return model(inp, kv, fmt, page_size, all_logits=all_logits)
+        def forward(params, kv, inp: StepInput):
+            model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+            return model(inp, kv, fmt, page_size, all_logits=all_logits)
 
-            self._compiled[key] = jax.jit(step, donate_argnums=(1,))
-        return self._compiled[key]
+        return forward
 
-    def run(self, tokens, cached_lens, new_lens, page_table, all_logits: bool = False) -> jax.Array:
-        """Run one padded step (numpy int32 inputs), update the KV pools, return logits."""
+    def _program(self, name: str):
+        """The checked serving program `name` ("prefill" | "decode"), jitted once."""
+        if name not in self._jitted:
+            forward, tracker = self._model_fn(False), self.tracker
+
+            def step(params, kv, generation, inp: StepInput, expected, num_pages_used):
+                # The integrity check is its own batched op, before any attention read.
+                ok, cause = tracker.check(generation, inp.page_table, expected, num_pages_used)
+                safe = StepInput(
+                    tokens=inp.tokens,
+                    cached_lens=jnp.where(ok, inp.cached_lens, 0),
+                    new_lens=jnp.where(ok, inp.new_lens, 0),  # a failing row writes nothing
+                    page_table=tracker.redirect(inp.page_table, ok),
+                )
+                logits, kv = forward(params, kv, safe)
+                return logits, kv, ok, cause
+
+            self._jitted[name] = jax.jit(step, donate_argnums=(1,))
+        return self._jitted[name]
+
+    def _unchecked(self):
+        if "all_logits" not in self._jitted:
+            self._jitted["all_logits"] = jax.jit(self._model_fn(True), donate_argnums=(1,))
+        return self._jitted["all_logits"]
+
+    def _apply_updates_fn(self):
+        if "updates" not in self._jitted:
+            self._jitted["updates"] = jax.jit(self.tracker.apply_updates, donate_argnums=(0,))
+        return self._jitted["updates"]
+
+    # ------------------------------------------------------------------ running
+    def apply_generation_updates(self, pages: np.ndarray, counts: np.ndarray) -> None:
+        """Bring the device generations up to date with the block manager's bumps."""
+        if len(pages) == 0 or not self.tracker.enabled:
+            return
+        p, c = pad_updates(pages, counts)
+        self.generation = self._apply_updates_fn()(self.generation, jnp.asarray(p), jnp.asarray(c))
+
+    def step(self, phase: str, tokens, cached_lens, new_lens, page_table, expected, num_pages_used) -> StepResult:
+        """Run the checked `phase` program on padded numpy inputs; updates the KV pools."""
+        fn = self._program(phase)
         inp = StepInput(
             tokens=jnp.asarray(tokens, jnp.int32),
             cached_lens=jnp.asarray(cached_lens, jnp.int32),
             new_lens=jnp.asarray(new_lens, jnp.int32),
             page_table=jnp.asarray(page_table, jnp.int32),
         )
-        fn = self._fn(all_logits)
-        before = fn._cache_size() if hasattr(fn, "_cache_size") else None
+        before = fn._cache_size()
+        logits, self.kv, ok, cause = fn(
+            self.params, self.kv, self.generation, inp,
+            jnp.asarray(expected, jnp.int32), jnp.asarray(num_pages_used, jnp.int32),
+        )
+        if self.warm and fn._cache_size() != before:
+            self.compiles_after_warmup += 1
+            if self.strict:
+                raise RecompilationError(
+                    f"{phase} program compiled after warm-up for shape tokens={tuple(inp.tokens.shape)}"
+                )
+        return StepResult(logits, np.asarray(ok), np.asarray(cause))
+
+    def run(self, tokens, cached_lens, new_lens, page_table, all_logits: bool = False) -> jax.Array:
+        """Unchecked forward for tests and scoring (pages chosen by the caller).
+
+        Returns logits [B, T, V] if all_logits else [B, V]. Not a serving path: the caller
+        owns the pages it names.
+        """
+        inp = StepInput(
+            tokens=jnp.asarray(tokens, jnp.int32),
+            cached_lens=jnp.asarray(cached_lens, jnp.int32),
+            new_lens=jnp.asarray(new_lens, jnp.int32),
+            page_table=jnp.asarray(page_table, jnp.int32),
+        )
+        fn = self._unchecked() if all_logits else self._model_only()
         logits, self.kv = fn(self.params, self.kv, inp)
-        if before is not None and fn._cache_size() != before:
-            self.compile_count += 1
         return logits
+
+    def _model_only(self):
+        if "last_logits" not in self._jitted:
+            self._jitted["last_logits"] = jax.jit(self._model_fn(False), donate_argnums=(1,))
+        return self._jitted["last_logits"]
+
+    # ------------------------------------------------------------------ warm-up
+    def warmup(self, decode_batches: list[int], prefill_shapes: list[tuple[int, int]]) -> None:
+        """Compile every serving bucket now (page tables of padding rows are all null)."""
+        m = self.max_pages_per_seq
+        for phase, shapes in (("decode", [(b, 1) for b in decode_batches]), ("prefill", prefill_shapes)):
+            for b, t in shapes:
+                z = np.zeros((b,), np.int32)
+                self.step(phase, np.zeros((b, t), np.int32), z, z, np.zeros((b, m), np.int32),
+                          np.zeros((b, m), np.int32), z)
+        self.warm = True
 
 
 def pad_batch(rows: list[tuple[list[int], int, list[int]]], t_min: int = 1):

@@ -61,7 +61,7 @@ def test_bad_requests_are_clear_errors(llm):
         llm.generate([[49152]])
     with pytest.raises(ValueError, match="list of prompts"):
         llm.generate([1, 2, 3])
-    with pytest.raises(ValueError, match="exceeds the model's context"):
+    with pytest.raises(ValueError, match="exceeds the maximum context"):
         llm.generate([[1] * 10], max_tokens=llm.cfg.max_position_embeddings)
 
 

@@ -155,8 +155,9 @@ class BlockManager:
 
     # ---- allocation -----------------------------------------------------------------
 
-    def allocate_prompt(self, seq_id: Hashable, token_ids: Sequence[int]) -> Allocation:
-        """Map pages for a new sequence's prompt, reusing cached prefix pages.
+    def allocate_prompt(self, seq_id: Hashable, token_ids: Sequence[int], use_prefix_cache: bool = True) -> Allocation:
+        """Map pages for a new sequence's prompt, reusing cached prefix pages (unless
+        use_prefix_cache is False, e.g. to score every token of a prompt).
 
         Raises NoFreePagesError (state unchanged) if the rest does not fit.
         """
@@ -165,7 +166,7 @@ class BlockManager:
         n = len(token_ids)
         if n < 1:
             raise ValueError("a prompt needs at least one token")
-        hits, hashes = self._match_prefix(token_ids)
+        hits, hashes = self._match_prefix(token_ids) if use_prefix_cache else ([], [])
         num_new = self.pages_for(n) - len(hits)
         # A hit on an evictable page consumes it just like a new page would.
         available = self.num_free_pages - sum(1 for p in hits if self.refcount[p] == 0)

@@ -1,0 +1,55 @@
+"""What the engine hands back: streaming deltas and finished completions."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    time_to_first_token: float | None  # seconds from arrival; None if no token was produced
+    total: float  # seconds from arrival to finish
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """One step's news for one request (a streaming delta); `finished` on the last one."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    error: Exception | None = None
+    completion: "Completion | None" = None  # set when finished
+
+
+class Completion(list):
+    """The generated token ids of one request (it *is* that list, so code written against
+    the first API, which returned plain id lists, keeps working), plus text, finish reason,
+    usage, timing and optional logprobs."""
+
+    def __init__(self, token_ids, text, finish_reason, prompt_token_ids, usage=None, timing=None,
+                 logprobs=None, request_id=None, error=None):
+        super().__init__(token_ids)
+        self.text: str | None = text  # None when the model has no tokenizer
+        self.finish_reason: str = finish_reason  # "stop" | "length" | "abort" | "error"
+        self.prompt_token_ids: list[int] = prompt_token_ids
+        self.usage: Usage | None = usage
+        self.timing: Timing | None = timing
+        self.logprobs = logprobs  # per token: (logprob, {token_id: logprob} top-n), or None
+        self.request_id = request_id
+        self.error: Exception | None = error  # e.g. IntegrityError when finish_reason == "abort"
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self)
+
+    def __repr__(self):
+        return f"Completion({list(self)!r}, text={self.text!r}, finish_reason={self.finish_reason!r})"

@@ -1,0 +1,178 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+Every step the scheduler builds two batches, one per jitted program:
+- decode: every running sequence whose prompt is fully computed, one token each (up to
+  ``max_num_seqs``). Each needs a KV slot for its newest token; when pages run out the
+  newest running sequence is preempted (pages released, recomputed later from its
+  prompt + output so far), never crashed or dropped.
+- prefill: chunks of prompts under a per-step token budget (chunked prefill). Sequences
+  that are part-way through their prompt continue first; then waiting sequences are
+  admitted in arrival order while their whole prompt fits in free KV pages. Prefix-cache
+  hits skip the cached pages (``num_computed`` starts past them).
+
+Host-side only (no JAX): the tests drive it directly.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from jaxserve.engine.block_manager import BlockManager, NoFreePagesError
+from jaxserve.engine.sequence import Sequence, Status
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32  # decode batch limit (running sequences)
+    max_num_batched_tokens: int = 256  # prefill tokens per step
+    max_prefill_seqs: int = 4  # prefill rows per step
+    prefill_chunk: int = 128  # max new tokens of one sequence in one prefill step
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
+
+
+@dataclasses.dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first token index (= seq.num_computed)
+    num_tokens: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        """After this chunk the sequence's known tokens are computed (sample if it has no output yet)."""
+        return self.start + self.num_tokens >= self.seq.total_len - (1 if self.seq.output_ids else 0)
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    prefill: list[ScheduledChunk]
+    decode: list[Sequence]
+    preempted: list[Sequence]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admitted, in admission order
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        preempted: list[Sequence] = []
+        decode = self._schedule_decode(preempted)
+        prefill = self._schedule_prefill()
+        return SchedulerOutput(prefill, decode, preempted)
+
+    # ------------------------------------------------------------------ decode
+    def _schedule_decode(self, preempted: list[Sequence]) -> list[Sequence]:
+        batch: list[Sequence] = []
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or seq.in_prefill:
+                continue
+            if len(batch) >= self.config.max_num_seqs:
+                break
+            if not self.bm.has_seq(seq.request_id):
+                # Host bookkeeping lost this sequence's pages (a bug elsewhere): schedule it
+                # with the page table it holds so the device check fails it closed, with a
+                # cause, instead of crashing the engine or reading pages it no longer owns.
+                batch.append(seq)
+                continue
+            while True:
+                try:
+                    new_pages = self.bm.append_slots(seq.request_id, seq.total_len)
+                    break
+                except NoFreePagesError:
+                    victim = self._newest_running()
+                    self.preempt(victim)
+                    preempted.append(victim)
+                    if victim is seq:
+                        break
+            if seq.status is not Status.RUNNING:
+                continue
+            self._sync_pages(seq, new_pages)
+            batch.append(seq)
+        return batch
+
+    def _newest_running(self) -> Sequence:
+        return self.running[-1]
+
+    # ------------------------------------------------------------------ prefill
+    def _schedule_prefill(self) -> list[ScheduledChunk]:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+
+        def take(seq: Sequence) -> None:
+            nonlocal budget
+            target = seq.total_len - (1 if seq.output_ids else 0)
+            n = min(target - seq.num_computed, cfg.prefill_chunk, budget)
+            if n > 0:
+                chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+                budget -= n
+
+        for seq in self.running:
+            if len(chunks) >= cfg.max_prefill_seqs or budget <= 0:
+                return chunks
+            if seq.status is Status.RUNNING and seq.in_prefill:
+                take(seq)
+        while self.waiting and len(chunks) < cfg.max_prefill_seqs and budget > 0:
+            if len(self.running) >= cfg.max_num_seqs:
+                break
+            seq = self.waiting[0]
+            tokens = seq.all_ids[:-1] if seq.output_ids else seq.prompt_ids
+            try:
+                alloc = self.bm.allocate_prompt(seq.request_id, tokens)
+            except NoFreePagesError:
+                break  # admission by free pages: wait until some finish
+            self.waiting.popleft()
+            seq.pages, seq.expected = list(alloc.pages), self.bm.expected_generations(seq.request_id)
+            seq.num_computed = alloc.num_cached_tokens
+            if not seq.admitted:
+                seq.num_cached_tokens = alloc.num_cached_tokens
+                seq.admitted = True
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            take(seq)
+        return chunks
+
+    # ------------------------------------------------------------------ state changes
+    def _sync_pages(self, seq: Sequence, new_pages: list[int]) -> None:
+        """Extend the request's own page table (never rebuilt from the block manager, so
+        the device check compares two independent records)."""
+        if new_pages:
+            seq.pages += new_pages
+            seq.expected += self.bm.expected_generations(seq.request_id)[-len(new_pages):]
+
+    def preempt(self, seq: Sequence) -> None:
+        """Release the sequence's pages and queue it (first) for recompute."""
+        self._release(seq)
+        seq.status = Status.WAITING
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str, error: Exception | None = None) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+
+    def _release(self, seq: Sequence) -> None:
+        if self.bm.has_seq(seq.request_id):
+            self.bm.free(seq.request_id)
+        seq.pages, seq.expected = [], []

@@ -1,0 +1,57 @@
+"""A request as the engine tracks it, from arrival to finish."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from jaxserve.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # no pages (new, or preempted and to be recomputed)
+    RUNNING = "running"  # has pages; prefilling until num_computed reaches the prompt, then decoding
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # the sampling seed actually used (params.seed or one drawn by the engine)
+    arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # leading tokens whose KV is in this sequence's pages
+    pages: list[int] = dataclasses.field(default_factory=list)  # page table (copy held by the request)
+    expected: list[int] = dataclasses.field(default_factory=list)  # generation expected per page
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    admitted: bool = False
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: Exception | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)  # per output token: (logprob, {id: logprob})
+    text: str = ""  # detokenized output (stop strings cut off)
+    emitted_text: int = 0  # characters of `text` already streamed
+    detok: object = None  # IncrementalDetokenizer when the model has a tokenizer
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        """Still computing the KV of its known tokens (prompt, or prompt + output after preemption)."""
+        return self.num_computed < self.total_len - (1 if self.output_ids else 0)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
