@@ -1,0 +1,215 @@
+"""Pallas W4A16 matmuls (dense and ragged-by-expert), written for the Triton GPU backend.
+
+One program per (row block [bm], column block [bn]); the K reduction is a `fori_loop` inside
+the kernel (Triton has no scratch and no sequential grid axis to accumulate across). Each
+step reads `step` packed rows (step = group, or half a group when the packing tile is the
+group), whose low nibbles are K rows lo.. and high nibbles K rows lo + T/2.. (T = packing
+tile, reference.py), each half inside one scale group:
+
+    acc += (x[:, lo rows] @ lo_int) * s[lo group] + (x[:, hi rows] @ hi_int) * s[hi group]
+
+Scales multiply the f32 dot result (one scale per group and column), so the int4 values
+enter the dot exactly and no dequantized weight is ever rounded to bf16.
+
+Triton rules followed: power-of-two loads; dot dims >= 16 (M padded to bm = 16, step >= 16);
+packed bytes are bitcast to int8 outside the kernel so the shifts are arithmetic (sign
+extension) and the dot sees a signed type; the grouped kernel gets expert offsets and each
+row tile's expert range as ordinary blocks (no scalar prefetch) and loops over experts.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from pallas_kernels.int4_matmul import validate
+
+_STATIC = ("group", "tile", "interpret", "block_m", "block_n", "num_warps", "num_stages")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _nn(a, b):
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _tile_product(x_ref, load_w, load_s, k: int, group: int, tile: int, bm: int, bn: int):
+    """x_ref [bm, K] . int4 weights -> [bm, bn] f32.
+
+    Steps over the packed rows `step` at a time (step = min(group, tile/2): one scale group
+    per half). load_w(r) -> packed int8 rows [r, r + step) x [bn]; load_s(i) -> [1, bn]
+    scales of K-group i."""
+    half = tile // 2
+    step = min(group, half)
+    cdt = x_ref.dtype
+
+    def body(i, acc):
+        r = i * step  # first packed row of this step
+        t = r // half  # its tile
+        lo_row = pl.multiple_of(t * tile + (r - t * half), step)  # K row of its low nibbles
+        hi_row = pl.multiple_of(lo_row + half, step)
+        w = load_w(pl.multiple_of(r, step))
+        lo = ((w << 4) >> 4).astype(cdt)  # int8 shifts are arithmetic: sign extension
+        hi = (w >> 4).astype(cdt)
+        acc += _nn(x_ref[:, pl.ds(lo_row, step)], lo) * load_s(lo_row // group).astype(jnp.float32)
+        acc += _nn(x_ref[:, pl.ds(hi_row, step)], hi) * load_s(hi_row // group).astype(jnp.float32)
+        return acc
+
+    return lax.fori_loop(0, k // 2 // step, body, jnp.zeros((bm, bn), jnp.float32))
+
+
+def _dense_kernel(x_ref, w_ref, s_ref, o_ref, *, k, group, tile):
+    """Blocks: x [bm, K], w int8 [K/2, bn], s [K/g, bn] -> o [bm, bn]."""
+    bm, bn = o_ref.shape
+    step = min(group, tile // 2)
+    acc = _tile_product(
+        x_ref,
+        lambda r: w_ref[pl.ds(r, step), :],
+        lambda i: s_ref[pl.ds(i, 1), :],
+        k, group, tile, bm, bn,
+    )
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _grouped_kernel(x_ref, w_ref, s_ref, start_ref, end_ref, tile_ref, o_ref, *, k, group, tile):
+    """Blocks: x [bm, K]; w int8 [E, K/2, bn]; s [E, K/g, bn]; expert row offsets start/end [E];
+    tile_ref [2] = experts [first, stop) overlapping this row tile -> o [bm, bn]."""
+    bm, bn = o_ref.shape
+    step = min(group, tile // 2)
+    rows = pl.program_id(0) * bm + jnp.arange(bm, dtype=jnp.int32)
+
+    def expert(e, acc):
+        start, end = start_ref[e], end_ref[e]
+
+        def add(acc):
+            y = _tile_product(
+                x_ref,
+                lambda r: w_ref[e, pl.ds(r, step), :],
+                lambda i: s_ref[e, pl.ds(i, 1), :],
+                k, group, tile, bm, bn,
+            )
+            # Rows of this tile that belong to other experts were computed too; drop them.
+            mine = (rows >= start) & (rows < end)
+            return acc + jnp.where(mine[:, None], y, 0.0)
+
+        return lax.cond(end > start, add, lambda a: a, acc)  # skip empty experts
+
+    acc = lax.fori_loop(tile_ref[0], tile_ref[1], expert, jnp.zeros((bm, bn), jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _params(num_warps: int, num_stages: int):
+    return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _dense(x, packed, scales, *, group, tile, interpret, block_m, block_n, num_warps, num_stages):
+    m, k = x.shape
+    n = packed.shape[1]
+    mp = _cdiv(m, block_m) * block_m
+    xp = jnp.pad(x, ((0, mp - m), (0, 0)))
+    w = lax.bitcast_convert_type(packed, jnp.int8)
+    out = pl.pallas_call(
+        functools.partial(_dense_kernel, k=k, group=group, tile=tile),
+        grid=(mp // block_m, n // block_n),
+        in_specs=[
+            pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
+            pl.BlockSpec((k // 2, block_n), lambda i, j: (0, j)),
+            pl.BlockSpec((k // group, block_n), lambda i, j: (0, j)),
+        ],
+        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((mp, n), x.dtype),
+        interpret=interpret,
+        compiler_params=_params(num_warps, num_stages),
+        name=f"int4_matmul_g{group}",
+    )(xp, w, scales)
+    return out[:m]
+
+
+def tile_expert_ranges(group_sizes, rows_padded: int, block_m: int):
+    """group_sizes [E] -> (start [E], end [E], tiles [T, 2]): expert row offsets and, per row
+    tile, the experts [first, stop) whose rows overlap it."""
+    end = jnp.cumsum(group_sizes.astype(jnp.int32))
+    start = end - group_sizes.astype(jnp.int32)
+    r0 = jnp.arange(0, rows_padded, block_m, dtype=jnp.int32)
+    first = jnp.searchsorted(end, r0, side="right")  # first expert ending after r0
+    stop = jnp.searchsorted(start, r0 + block_m, side="left")  # experts starting before r1
+    return start, end, jnp.stack([first, jnp.maximum(stop, first)], axis=1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _grouped(x, packed, scales, group_sizes, *, group, tile, interpret, block_m, block_n, num_warps, num_stages):
+    m, k = x.shape
+    e, _, n = packed.shape
+    mp = _cdiv(m, block_m) * block_m
+    xp = jnp.pad(x, ((0, mp - m), (0, 0)))
+    w = lax.bitcast_convert_type(packed, jnp.int8)
+    start, end, tiles = tile_expert_ranges(group_sizes, mp, block_m)
+    out = pl.pallas_call(
+        functools.partial(_grouped_kernel, k=k, group=group, tile=tile),
+        grid=(mp // block_m, n // block_n),
+        in_specs=[
+            pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
+            pl.BlockSpec((e, k // 2, block_n), lambda i, j: (0, 0, j)),
+            pl.BlockSpec((e, k // group, block_n), lambda i, j: (0, 0, j)),
+            pl.BlockSpec((e,), lambda i, j: (0,)),
+            pl.BlockSpec((e,), lambda i, j: (0,)),
+            pl.BlockSpec((None, 2), lambda i, j: (i, 0)),
+        ],
+        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((mp, n), x.dtype),
+        interpret=interpret,
+        compiler_params=_params(num_warps, num_stages),
+        name=f"int4_grouped_matmul_g{group}",
+    )(xp, w, scales, start, end, tiles)
+    return out[:m]
+
+
+def _blocks(block_m: int, block_n: int | None, n_default: int) -> tuple[int, int]:
+    if not validate.is_pow2(block_m) or block_m < validate.MIN_DOT:
+        raise ValueError(f"block_m={block_m} must be a power of two >= {validate.MIN_DOT}")
+    bn = n_default if block_n is None else block_n
+    if not validate.is_pow2(bn) or bn < validate.MIN_DOT:
+        raise ValueError(f"block_n={bn} must be a power of two >= {validate.MIN_DOT}")
+    return block_m, bn
+
+
+def int4_matmul(x, packed, scales, *, group: int, tile: int | None = None, interpret: bool = False,
+                block_m: int = 16, block_n: int | None = None, num_warps: int = 4, num_stages: int = 2):
+    """x [M, K] (bf16/f16/f32) @ int4 weights -> [M, N] in x.dtype.
+
+    packed [K/2, N] uint8 and scales [K/group, N] from `quantize_int4` (see reference.py for
+    the layout); `tile` is the packing tile (None = K; group = jaxserve.quant's layout).
+    block_n defaults to the largest power of two <= 128 dividing N.
+    """
+    dims = validate.check_weights(x, packed, scales, group, experts=None, tile=tile)
+    bm, bn = _blocks(block_m, block_n, dims["block_n"])
+    if dims["n"] % bn:
+        raise ValueError(f"block_n={bn} must divide N={dims['n']}")
+    return _dense(x, packed, scales, group=group, tile=dims["tile"], interpret=interpret,
+                  block_m=bm, block_n=bn, num_warps=num_warps, num_stages=num_stages)
+
+
+def int4_grouped_matmul(x, packed, scales, group_sizes, *, group: int, tile: int | None = None,
+                        interpret: bool = False, block_m: int = 16, block_n: int | None = None,
+                        num_warps: int = 4, num_stages: int = 2):
+    """Ragged-by-expert W4A16 (MoE): x [M, K] sorted by expert; packed [E, K/2, N] uint8;
+    scales [E, K/group, N]; group_sizes [E] int32 (rows per expert, in order) -> [M, N].
+
+    Rows past sum(group_sizes) come back 0 (like lax.ragged_dot). A row tile that spans
+    several experts is computed once per expert and masked, so small block_m wastes least.
+    """
+    dims = validate.check_weights(x, packed, scales, group, experts=packed.shape[0] if packed.ndim == 3 else -1,
+                                  tile=tile)
+    validate.check_group_sizes(group_sizes, packed.shape[0], dims["m"])
+    bm, bn = _blocks(block_m, block_n, dims["block_n"])
+    if dims["n"] % bn:
+        raise ValueError(f"block_n={bn} must divide N={dims['n']}")
+    return _grouped(x, packed, scales, group_sizes, group=group, tile=dims["tile"], interpret=interpret,
+                    block_m=bm, block_n=bn, num_warps=num_warps, num_stages=num_stages)
