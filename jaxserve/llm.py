@@ -20,6 +20,13 @@ from jaxserve.sharding import make_mesh
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
+# Named configurations. "article": the deployment the source article describes: FP8 KV in
+# decode (prefill attends to its own tokens unquantized and stores FP8 pages), FP8 block-scaled
+# weights for compute-bound prefill, INT4 group-32 weights (as Kimi K2 ships) for decode.
+PRESETS = {
+    "article": dict(kv_format="fp8_e4m3", prefill_weights="fp8:block128", decode_weights="int4:g32"),
+}
+
 
 @dataclasses.dataclass
 class GenerateStats:
@@ -41,8 +48,10 @@ class LLM:
     kv_format: "bf16" | "fp8_e4m3" (| "float32", the exact reference format).
     num_devices: shard over this many devices (tensor/expert parallel).
     num_pages / page_size: the KV page pool (page 0 is reserved as the null page).
-    Further keyword arguments are EngineConfig fields (max_num_seqs, max_num_batched_tokens,
-    prefill_chunk, enable_prefix_caching, integrity_check, max_model_len, ...).
+    preset: a named configuration from PRESETS ("article"); explicit arguments win.
+    Further keyword arguments are EngineConfig fields (prefill_weights, decode_weights,
+    max_num_seqs, max_num_batched_tokens, prefill_chunk, enable_prefix_caching,
+    integrity_check, max_model_len, ...).
     """
 
     def __init__(
@@ -53,8 +62,15 @@ class LLM:
         num_devices: int = 1,
         num_pages: int = 256,
         page_size: int = 16,
+        preset: str | None = None,
         **engine_kwargs,
     ):
+        if preset is not None:
+            if preset not in PRESETS:
+                raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+            chosen = dict(PRESETS[preset])
+            kv_format = chosen.pop("kv_format")
+            engine_kwargs = {**chosen, **engine_kwargs}
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         config = EngineConfig(num_pages=num_pages, page_size=page_size, **engine_kwargs)

@@ -23,6 +23,7 @@ from flax import nnx
 from jaxserve.engine.page_tracker import NoOpTracker, PageTracker, pad_updates
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.step import StepInput
+from jaxserve.quant.phase import dense_state, quantize_state
 from jaxserve.sharding import MODEL_AXIS, Mesh, NamedSharding, PartitionSpec, replicated
 
 
@@ -61,6 +62,8 @@ class ModelRunner:
         mesh: Mesh | None = None,
         tracker: PageTracker | NoOpTracker | None = None,
         max_pages_per_seq: int | None = None,
+        prefill_weights: str | None = None,
+        decode_weights: str | None = None,
     ):
         self.cfg = model.cfg
         self.fmt = fmt
@@ -70,7 +73,14 @@ class ModelRunner:
         self.tracker = tracker if tracker is not None else PageTracker()
         self.max_pages_per_seq = bucket(max_pages_per_seq or num_pages - 1)
         self.graphdef, state = nnx.split(model)
-        self.params, self.treedef = jax.tree.flatten(state)
+        self.dtype = model.dtype
+        # Each phase's own weight representation (None: the loaded weights, shared).
+        self.weight_formats = {"prefill": prefill_weights, "decode": decode_weights}
+        self.phase_params = {}
+        for phase, spec in self.weight_formats.items():
+            leaves, treedef = jax.tree.flatten(quantize_state(state, spec, mesh))
+            self.phase_params[phase] = (leaves, treedef)
+        self.params, self.treedef = self.phase_params["prefill"]
         kv = model.init_kv(num_pages, page_size, fmt)
         if mesh is not None:
             kv = jax.device_put(kv, self.kv_sharding(kv))
@@ -90,11 +100,13 @@ class ModelRunner:
         return jax.tree.map(lambda _: NamedSharding(self.mesh, PartitionSpec(MODEL_AXIS)), kv)
 
     # ------------------------------------------------------------------ programs
-    def _model_fn(self, all_logits: bool):
-        graphdef, treedef, fmt, page_size = self.graphdef, self.treedef, self.fmt, self.page_size
+    def _model_fn(self, all_logits: bool, phase: str = "prefill"):
+        graphdef, fmt, page_size, dtype = self.graphdef, self.fmt, self.page_size, self.dtype
+        treedef = self.phase_params[phase][1]
 
         def forward(params, kv, inp: StepInput):
-            model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+            state = dense_state(jax.tree.unflatten(treedef, params), dtype)
+            model = nnx.merge(graphdef, state)
             return model(inp, kv, fmt, page_size, all_logits=all_logits)
 
         return forward
@@ -102,7 +114,7 @@ class ModelRunner:
     def _program(self, name: str):
         """The checked serving program `name` ("prefill" | "decode"), jitted once."""
         if name not in self._jitted:
-            forward, tracker = self._model_fn(False), self.tracker
+            forward, tracker = self._model_fn(False, name), self.tracker
 
             def step(params, kv, generation, inp: StepInput, expected, num_pages_used):
                 # The integrity check is its own batched op, before any attention read.
@@ -148,7 +160,7 @@ class ModelRunner:
         )
         before = fn._cache_size()
         logits, self.kv, ok, cause = fn(
-            self.params, self.kv, self.generation, inp,
+            self.phase_params[phase][0], self.kv, self.generation, inp,
             jnp.asarray(expected, jnp.int32), jnp.asarray(num_pages_used, jnp.int32),
         )
         if self.warm and fn._cache_size() != before:

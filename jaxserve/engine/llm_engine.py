@@ -39,6 +39,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     integrity_check: bool = True  # False = NoOpTracker
     seed: int = 0  # seeds requests that give none
+    # Weight representation per phase (None = as loaded). Prefill is compute-bound: bf16 or
+    # fp8; decode is memory-bound: int4 (group 32/64/128), fp8 or bf16.
+    prefill_weights: str | None = None
+    decode_weights: str | None = None
 
     def __post_init__(self):
         if self.num_pages < 2:
@@ -46,6 +50,14 @@ class EngineConfig:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_prefill_seqs, self.prefill_chunk)
+        from jaxserve.quant.formats import get_weight_format
+
+        for phase, spec, allowed in (
+            ("prefill", self.prefill_weights, ("bf16", "fp8_e4m3", "fp8:block128")),
+            ("decode", self.decode_weights, ("bf16", "fp8_e4m3", "fp8:block128", "int4:g32", "int4:g64", "int4:g128")),
+        ):
+            if spec is not None and get_weight_format(spec).name not in allowed:
+                raise ValueError(f"{phase}_weights={spec!r} is not a {phase} format; choose one of {allowed}")
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_prefill_seqs, self.prefill_chunk)
@@ -63,7 +75,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config(), self.bm)
         tracker = PageTracker() if config.integrity_check else NoOpTracker()
         self.runner = ModelRunner(
-            model, fmt, config.num_pages, config.page_size, mesh, tracker, max_pages_per_seq=self.max_pages_per_seq
+            model, fmt, config.num_pages, config.page_size, mesh, tracker, max_pages_per_seq=self.max_pages_per_seq,
+            prefill_weights=config.prefill_weights, decode_weights=config.decode_weights,
         )
         self.pool_tokens = pool_tokens
         self.stats = TrackerStats()

@@ -1,0 +1,86 @@
+"""Per-phase weight formats: one model, a prefill representation and a decode representation,
+each program reading its own."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxserve import LLM
+from jaxserve.engine.llm_engine import EngineConfig
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.quant.phase import dense_state, quantize_state, state_nbytes
+
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 8, 9, 10, 11, 12, 13, 60, 61, 62, 63]
+KW = dict(kv_format="float32", num_pages=32, page_size=8, max_num_seqs=4)
+
+
+def leaf_dtypes(runner, phase):
+    return {jnp.dtype(x.dtype).name for x in runner.phase_params[phase][0]}
+
+
+def decode_logits(runner, phase_leaves=None):
+    """Prefill PROMPT[:-1] with the prefill program, then one decode step; decode logits."""
+    table = np.zeros((1, runner.max_pages_per_seq), np.int32)
+    table[0, :3] = [1, 2, 3]
+    runner.run(np.array([PROMPT[:-1]], np.int32), [0], [len(PROMPT) - 1], table[:, :4])
+    if phase_leaves is not None:
+        runner.phase_params["decode"] = phase_leaves
+    fn = runner._program("decode")
+    from jaxserve.models.step import StepInput
+
+    inp = StepInput(jnp.array([[PROMPT[-1]]], jnp.int32), jnp.array([len(PROMPT) - 1]), jnp.array([1]), jnp.asarray(table))
+    logits, runner.kv, ok, _ = fn(runner.phase_params["decode"][0], runner.kv, runner.generation, inp,
+                                  jnp.zeros_like(inp.page_table), jnp.zeros((1,), jnp.int32))
+    return np.asarray(logits[0])
+
+
+def test_each_phase_holds_its_own_representation(tiny_ckpt):
+    llm = LLM(tiny_ckpt, prefill_weights="fp8:block128", decode_weights="int4:g32", **KW)
+    assert "float8_e4m3fn" in leaf_dtypes(llm.runner, "prefill") and "uint8" not in leaf_dtypes(llm.runner, "prefill")
+    assert "uint8" in leaf_dtypes(llm.runner, "decode") and "float8_e4m3fn" not in leaf_dtypes(llm.runner, "decode")
+    sizes = {p: sum(x.nbytes for x in llm.runner.phase_params[p][0]) for p in ("prefill", "decode")}
+    assert sizes["decode"] < sizes["prefill"]
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert len(out) == 6
+
+
+def test_decode_program_computes_with_its_format(tiny_ckpt):
+    """int4 decode logits equal the logits of the same model with int4-dequantized weights,
+    and differ from the unquantized model's (the format is really used)."""
+    q = LLM(tiny_ckpt, decode_weights="int4:g32", **KW)
+    plain = LLM(tiny_ckpt, **KW)
+    got = decode_logits(q.runner)
+    ref_plain = decode_logits(plain.runner)
+    # The dequantized weights as plain arrays, run through the unquantized decode program.
+    state = jax.tree.unflatten(q.runner.phase_params["decode"][1], q.runner.phase_params["decode"][0])
+    dense = dense_state(state, jnp.float32)
+    ref = decode_logits(LLM(tiny_ckpt, **KW).runner, jax.tree.flatten(dense))
+    assert np.abs(got - ref).max() < 1e-4
+    assert np.abs(got - ref_plain).max() > 1e-3
+    # Prefill stayed unquantized: the prompt's logprobs match the plain model exactly.
+    assert np.abs(q.logprobs(PROMPT) - plain.logprobs(PROMPT)).max() < 1e-5
+
+
+def test_phase_formats_are_validated():
+    with pytest.raises(ValueError, match="prefill_weights"):
+        EngineConfig(prefill_weights="int4:g32")
+    with pytest.raises(ValueError, match="unknown weight format"):
+        EngineConfig(decode_weights="int3")
+    EngineConfig(prefill_weights="fp8", decode_weights="int4:g128")
+
+
+def test_article_preset(tiny_ckpt):
+    llm = LLM(tiny_ckpt, preset="article", num_pages=32, page_size=8)
+    assert llm.fmt.name == "fp8_e4m3"
+    assert llm.runner.weight_formats == {"prefill": "fp8:block128", "decode": "int4:g32"}
+    with pytest.raises(ValueError, match="unknown preset"):
+        LLM(tiny_ckpt, preset="nope")
+
+
+def test_quantized_state_is_smaller():
+    from jaxserve.loader import load_model
+
+    _, model = load_model("checkpoints/tiny-kimi-k2")
+    _, state = nnx.split(model)
+    assert state_nbytes(quantize_state(state, "int4:g32")) < state_nbytes(state) / 3
