@@ -64,6 +64,7 @@ class ModelRunner:
         max_pages_per_seq: int | None = None,
         prefill_weights: str | None = None,
         decode_weights: str | None = None,
+        attention_backend: str = "xla",
     ):
         self.cfg = model.cfg
         self.fmt = fmt
@@ -74,6 +75,16 @@ class ModelRunner:
         self.max_pages_per_seq = bucket(max_pages_per_seq or num_pages - 1)
         self.graphdef, state = nnx.split(model)
         self.dtype = model.dtype
+        from jaxserve.models.attention import BACKENDS
+
+        if attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
+        if attention_backend != "xla" and mesh is not None:
+            raise ValueError(
+                "the Pallas attention backend is single-device for now (it needs a shard_map wrapper); "
+                "use attention_backend='xla' with num_devices > 1"
+            )
+        self.attention_backend = attention_backend
         # Each phase's own weight representation (None: the loaded weights, shared).
         self.weight_formats = {"prefill": prefill_weights, "decode": decode_weights}
         self.phase_params = {}
@@ -102,12 +113,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ programs
     def _model_fn(self, all_logits: bool, phase: str = "prefill"):
         graphdef, fmt, page_size, dtype = self.graphdef, self.fmt, self.page_size, self.dtype
+        backend = self.attention_backend
         treedef = self.phase_params[phase][1]
 
         def forward(params, kv, inp: StepInput):
             state = dense_state(jax.tree.unflatten(treedef, params), dtype)
             model = nnx.merge(graphdef, state)
-            return model(inp, kv, fmt, page_size, all_logits=all_logits)
+            return model(inp, kv, fmt, page_size, all_logits=all_logits, backend=backend)
 
         return forward
 

@@ -43,6 +43,9 @@ class EngineConfig:
     # fp8; decode is memory-bound: int4 (group 32/64/128), fp8 or bf16.
     prefill_weights: str | None = None
     decode_weights: str | None = None
+    # Decode attention: "xla" (pure jnp), "pallas" (GPU kernels), "pallas_interpret" (the
+    # kernels interpreted on CPU, for tests). None = "pallas" on GPU, "xla" elsewhere.
+    attention_backend: str | None = None
 
     def __post_init__(self):
         if self.num_pages < 2:
@@ -63,6 +66,12 @@ class EngineConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_prefill_seqs, self.prefill_chunk)
 
 
+def default_attention_backend() -> str:
+    import jax
+
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
 class LLMEngine:
     def __init__(self, model, config: EngineConfig, fmt, tokenizer=None, mesh=None):
         self.config = config
@@ -77,6 +86,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, fmt, config.num_pages, config.page_size, mesh, tracker, max_pages_per_seq=self.max_pages_per_seq,
             prefill_weights=config.prefill_weights, decode_weights=config.decode_weights,
+            attention_backend=config.attention_backend or default_attention_backend(),
         )
         self.pool_tokens = pool_tokens
         self.stats = TrackerStats()

@@ -57,3 +57,47 @@ def gqa_attention(q, ctx_k, ctx_v, ctx_mask, new_k, new_v, causal, scale: float)
     p = _softmax(jnp.concatenate([s_ctx, s_new], axis=-1) * scale, mask).astype(q.dtype)
     out = jnp.einsum("bkgtc,bkcd->btkgd", p[..., :c], ctx_v) + jnp.einsum("bkgtu,bukd->btkgd", p[..., c:], new_v)
     return out.reshape(b, t, h, d)
+
+
+# ----------------------------------------------------------------------------- Pallas decode
+# Decode (one new token per row) with the paged half in a Pallas kernel: the kernel attends
+# to the cached context (ctx_len = cached_lens, so it never reads the just-written token back
+# quantized), the new token's own key is scored here, and the two are merged exactly by
+# log-sum-exp.
+
+BACKENDS = ("xla", "pallas", "pallas_interpret")
+
+
+def mla_decode_pallas(q_lat, q_rope, kv, new_lat, new_rope, step, scale: float, interpret: bool):
+    """q_lat [B, 1, H, R], q_rope [B, 1, H, Dr], new_lat [B, 1, R], new_rope [B, 1, Dr] -> [B, 1, H, R]."""
+    from pallas_kernels.paged_attention import merge_attention, paged_attention_mla
+
+    ql, qr = q_lat[:, 0], q_rope[:, 0]
+    out_p, lse_p = paged_attention_mla(
+        ql, qr, kv["latent"], kv["rope"], kv.get("latent_scale"), kv.get("rope_scale"),
+        step.page_table, step.cached_lens, scale=scale, interpret=interpret,
+    )
+    s_new = (jnp.einsum("bhr,br->bh", ql, new_lat[:, 0]) + jnp.einsum("bhd,bd->bh", qr, new_rope[:, 0])) * scale
+    lse_new = jnp.where(step.new_lens[:, None] > 0, s_new.astype(jnp.float32), -jnp.inf)
+    out_new = jnp.broadcast_to(new_lat[:, 0][:, None, :], ql.shape)
+    out, _ = merge_attention(out_p, lse_p, out_new.astype(out_p.dtype), lse_new)
+    return out[:, None]
+
+
+def gqa_decode_pallas(q, kv, new_k, new_v, step, scale: float, interpret: bool):
+    """q [B, 1, H, D], new_k/new_v [B, 1, K, D] -> [B, 1, H, D]."""
+    from pallas_kernels.paged_attention import merge_attention, paged_attention_gqa
+
+    q1 = q[:, 0]
+    b, h, d = q1.shape
+    k = new_k.shape[2]
+    out_p, lse_p = paged_attention_gqa(
+        q1, kv["k"], kv["v"], kv.get("k_scale"), kv.get("v_scale"), step.page_table, step.cached_lens,
+        scale=scale, interpret=interpret,
+    )
+    kn = jnp.repeat(new_k[:, 0], h // k, axis=1)  # [B, H, D]: each query head's KV head
+    vn = jnp.repeat(new_v[:, 0], h // k, axis=1)
+    s_new = jnp.einsum("bhd,bhd->bh", q1, kn) * scale
+    lse_new = jnp.where(step.new_lens[:, None] > 0, s_new.astype(jnp.float32), -jnp.inf)
+    out, _ = merge_attention(out_p, lse_p, vn.astype(out_p.dtype), lse_new)
+    return out[:, None]

@@ -54,8 +54,8 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, rngs)
 
-    def __call__(self, x, rope, step, kv, fmt, page_size):
-        a, kv = self.attn(self.input_norm(x), rope, step, kv, fmt, page_size)
+    def __call__(self, x, rope, step, kv, fmt, page_size, backend="xla"):
+        a, kv = self.attn(self.input_norm(x), rope, step, kv, fmt, page_size, backend)
         x = x + a
         return x + self.mlp(self.post_attn_norm(x)), kv
 
@@ -77,14 +77,19 @@ class CausalLM(nnx.Module):
             else param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
         )
 
-    def __call__(self, step: StepInput, kv: tuple, fmt: KVFormat, page_size: int, all_logits: bool = False):
-        """-> (logits f32 [B, T, V] if all_logits else [B, V] at each row's last new token, kv)."""
+    def __call__(
+        self, step: StepInput, kv: tuple, fmt: KVFormat, page_size: int, all_logits: bool = False, backend: str = "xla"
+    ):
+        """-> (logits f32 [B, T, V] if all_logits else [B, V] at each row's last new token, kv).
+
+        backend: attention implementation for decode steps ("xla" | "pallas" | "pallas_interpret").
+        """
         x = jnp.take(self.embed[...], step.tokens, axis=0)
         inv_freq, scale = rope_inv_freq(self.cfg.rope, self.rope_dim)
         rope = rope_cos_sin(step.positions, inv_freq, scale)
         new_kv = []
         for layer, layer_kv in zip(self.layers, kv):
-            x, layer_kv = layer(x, rope, step, layer_kv, fmt, page_size)
+            x, layer_kv = layer(x, rope, step, layer_kv, fmt, page_size, backend)
             new_kv.append(layer_kv)
         if not all_logits:
             x = x[jnp.arange(x.shape[0]), last_token_index(step.new_lens)]  # [B, D]

@@ -15,7 +15,7 @@ from flax import nnx
 from jaxserve.config import ConfigError, ModelConfig, parse_common, require
 from jaxserve.kv import paged
 from jaxserve.kv.formats import KVFormat
-from jaxserve.models.attention import mla_attention
+from jaxserve.models.attention import mla_attention, mla_decode_pallas
 from jaxserve.models.base import CausalLM, DecoderLayer, WeightSpec, keep, block_weights, skip_mtp_layers, t
 from jaxserve.models.layers import RMSNorm, apply_rope, param
 
@@ -36,7 +36,7 @@ class MLAttention(nnx.Module):
         self.kv_b = param(rngs, (r, h, cfg.qk_nope_head_dim + cfg.v_head_dim), (None, "heads", None), dtype)
         self.o = param(rngs, (h, cfg.v_head_dim, d), ("heads", None, "embed"), dtype)
 
-    def __call__(self, x, rope, step, kv, fmt: KVFormat, page_size: int):
+    def __call__(self, x, rope, step, kv, fmt: KVFormat, page_size: int, backend: str = "xla"):
         cfg = self.cfg
         cos, sin = rope
         nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
@@ -54,15 +54,19 @@ class MLAttention(nnx.Module):
         page, off = paged.token_slots(step.page_table, step.positions, step.valid, page_size, num_pages)
         kv = paged.store(fmt, kv, "latent", lat, page, off)
         kv = paged.store(fmt, kv, "rope", k_rope, page, off)
-        ctx_lat = paged.load(fmt, kv, "latent", step.page_table, x.dtype)
-        ctx_rope = paged.load(fmt, kv, "rope", step.page_table, x.dtype)
-
         kv_b = self.kv_b[...]
         q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, kv_b[..., :nope])  # absorb W_uk
-        out_lat = mla_attention(
-            q_lat, q_rope, ctx_lat, ctx_rope, step.context_mask(page_size),
-            lat, k_rope, step.causal_mask(), cfg.softmax_scale,
-        )
+        if backend != "xla" and x.shape[1] == 1:  # decode: the paged half in the Pallas kernel
+            out_lat = mla_decode_pallas(
+                q_lat, q_rope, kv, lat, k_rope, step, cfg.softmax_scale, backend == "pallas_interpret"
+            )
+        else:
+            ctx_lat = paged.load(fmt, kv, "latent", step.page_table, x.dtype)
+            ctx_rope = paged.load(fmt, kv, "rope", step.page_table, x.dtype)
+            out_lat = mla_attention(
+                q_lat, q_rope, ctx_lat, ctx_rope, step.context_mask(page_size),
+                lat, k_rope, step.causal_mask(), cfg.softmax_scale,
+            )
         out = jnp.einsum("bthr,rhv->bthv", out_lat, kv_b[..., nope:])  # absorb W_uv
         return jnp.einsum("bthv,hvd->btd", out, self.o[...]), kv
 

@@ -13,7 +13,7 @@ from flax import nnx
 from jaxserve.config import ModelConfig
 from jaxserve.kv import paged
 from jaxserve.kv.formats import KVFormat
-from jaxserve.models.attention import gqa_attention
+from jaxserve.models.attention import gqa_attention, gqa_decode_pallas
 from jaxserve.models.base import WeightSpec, keep
 from jaxserve.models.layers import RMSNorm, apply_rope, param
 
@@ -41,7 +41,7 @@ class GQAttention(nnx.Module):
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, rngs)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, rngs)
 
-    def __call__(self, x, rope, step, kv, fmt: KVFormat, page_size: int):
+    def __call__(self, x, rope, step, kv, fmt: KVFormat, page_size: int, backend: str = "xla"):
         cfg = self.cfg
         q = jnp.einsum("btd,dhk->bthk", x, self.q[...])
         k = jnp.einsum("btd,dhk->bthk", x, self.k[...])
@@ -59,9 +59,14 @@ class GQAttention(nnx.Module):
         page, off = paged.token_slots(step.page_table, step.positions, step.valid, page_size, num_pages)
         kv = paged.store(fmt, kv, "k", k, page, off, headed=True)
         kv = paged.store(fmt, kv, "v", v, page, off, headed=True)
-        ctx_k = paged.load(fmt, kv, "k", step.page_table, x.dtype, headed=True)
-        ctx_v = paged.load(fmt, kv, "v", step.page_table, x.dtype, headed=True)
-        out = gqa_attention(q, ctx_k, ctx_v, step.context_mask(page_size), k, v, step.causal_mask(), cfg.softmax_scale)
+        if backend != "xla" and x.shape[1] == 1:  # decode: the paged half in the Pallas kernel
+            out = gqa_decode_pallas(q, kv, k, v, step, cfg.softmax_scale, backend == "pallas_interpret")
+        else:
+            ctx_k = paged.load(fmt, kv, "k", step.page_table, x.dtype, headed=True)
+            ctx_v = paged.load(fmt, kv, "v", step.page_table, x.dtype, headed=True)
+            out = gqa_attention(
+                q, ctx_k, ctx_v, step.context_mask(page_size), k, v, step.causal_mask(), cfg.softmax_scale
+            )
         y = jnp.einsum("bthk,hkd->btd", out, self.o[...])
         return (y + self.o_bias[...] if self.o_bias is not None else y), kv
 
