@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One prepared GPU check (H100/H200), a few minutes: every kernel against its pure-jnp
+# reference at engine sizes, timed against the XLA path, with achieved GB/s; plus the device
+# copy bandwidth those GB/s are compared with, and the tiny engine under the Pallas backend.
+# Usage (repository root, on the GPU machine):  bash bench/gpu_check.sh [OUT_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-${OUT:-bench/results/gpu}}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+if ! $PY -c "import jaxserve" 2>/dev/null; then
+  $PY -m pip install -q -e '.[cuda]' torch==2.13.0 2>/dev/null || $PY -m pip install -q -e '.[cuda]'
+fi
+$PY - <<'PY' | tee "$OUT/device.txt"
+import jax, jax.numpy as jnp, time
+print("jax", jax.__version__, jax.devices())
+x = jnp.ones((1 << 30,), jnp.uint8)  # 1 GiB
+y = (x + 1).block_until_ready()
+t = time.perf_counter()
+for _ in range(20):
+    y = (x + 1).block_until_ready()
+dt = (time.perf_counter() - t) / 20
+print(f"device copy bandwidth: {2 * x.nbytes / dt / 1e9:.0f} GB/s (read + write of 1 GiB)")
+PY
+$PY -m pallas_kernels.paged_attention.bench --size small large 2>&1 | tee "$OUT/paged_attention.txt"
+$PY -m pallas_kernels.int4_matmul.bench --group 32 128 2>&1 | tee "$OUT/int4_matmul.txt"
+$PY -m pytest -q tests/engine/test_attention_backend.py 2>&1 | tail -3 | tee "$OUT/engine_backend.txt"
+echo "results in $OUT"
