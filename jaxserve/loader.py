@@ -5,6 +5,13 @@ our parameters. Before reading any data the loader checks both directions: every
 the map needs must exist (a missing one is an error naming it) and every tensor in the
 files must be used or deliberately skipped (an unexpected one is an error naming it).
 Parameters are never left at their random initial values.
+
+Pre-quantized checkpoints (FP8 block-scaled as DeepSeek-V3/GLM ship, compressed-tensors
+int4 as Kimi K2 ships; see ``jaxserve.checkpoint.prequantized``) load in their own format:
+each quantized matmul weight becomes a ``PhaseWeight`` (our fp8:block128 / int4:g<G>) in
+its Variable, and the runner keeps it unless a phase asks for another format. A
+jaxserve-converted orbax checkpoint (``jaxserve convert``) is detected by its metadata file
+and restored by ``jaxserve.checkpoint.orbax_io``.
 """
 from __future__ import annotations
 
@@ -16,15 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
-
+from jaxserve.checkpoint import prequantized
+from jaxserve.checkpoint.prequantized import CheckpointError  # noqa: F401  (defined there, public here)
+from jaxserve.checkpoint.safetensors_io import SafetensorsFile
 from jaxserve.config import ConfigError, ModelConfig
 from jaxserve.models import get_architecture
+from jaxserve.quant.phase import PhaseWeight, matrix_view, place
 from jaxserve.sharding import Mesh, named
-
-
-class CheckpointError(ValueError):
-    """The checkpoint's tensors do not match what the model needs."""
 
 
 def _list_shown(names, n=8) -> str:
@@ -50,44 +55,61 @@ def tensor_index(path: str | os.PathLike) -> dict[str, Path]:
         raise CheckpointError(f"no *.safetensors files in {path}")
     out: dict[str, Path] = {}
     for fn in files:
-        with safe_open(fn, "np") as f:
-            for name in f.keys():
-                if name in out:
-                    raise CheckpointError(f"tensor {name} appears in both {out[name].name} and {fn.name}")
-                out[name] = fn
+        for name in SafetensorsFile(fn).keys():
+            if name in out:
+                raise CheckpointError(f"tensor {name} appears in both {out[name].name} and {fn.name}")
+            out[name] = fn
     return out
 
 
 class _Reader:
-    """Reads tensors as numpy arrays, keeping one open handle per shard."""
+    """Reads tensors as numpy arrays (bf16 / fp8 included), one parsed header per shard."""
 
     def __init__(self, index: dict[str, Path]):
         self.index = index
         self._open = {}
 
-    def __call__(self, name: str) -> np.ndarray:
+    def _file(self, name: str) -> SafetensorsFile:
         fn = self.index[name]
         if fn not in self._open:
-            self._open[fn] = safe_open(fn, "np")
-        return self._open[fn].get_tensor(name)
+            self._open[fn] = SafetensorsFile(fn)
+        return self._open[fn]
+
+    def __call__(self, name: str) -> np.ndarray:
+        return self._file(name).get(name)
+
+    def dtype_code(self, name: str) -> str | None:
+        return self._file(name).dtype_code(name) if name in self.index else None
 
 
-def load_config(path: str | os.PathLike) -> ModelConfig:
+def _raw_config(path) -> dict:
     cfg_path = Path(path) / "config.json"
     if not cfg_path.exists():
         raise ConfigError(f"{path} has no config.json")
     with open(cfg_path) as f:
-        raw = json.load(f)
-    if raw.get("quantization_config"):
-        q = raw["quantization_config"]
-        kind = q.get("quant_method") or q.get("format") or "unknown"
-        raise ConfigError(f"pre-quantized checkpoints ({kind}) are not supported yet; give a BF16/FP32 checkpoint")
+        return json.load(f)
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    """The model config; a quantization_config must be one jaxserve loads (else ConfigError)."""
+    raw = _raw_config(path)
+    prequantized.parse_quantization_config(raw.get("quantization_config"))
     return ModelConfig.from_dict(raw)
 
 
 def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = None):
-    """-> (ModelConfig, model) with every parameter read from the checkpoint at `path`."""
-    cfg = load_config(path)
+    """-> (ModelConfig, model) with every parameter read from the checkpoint at `path`.
+
+    Quantized tensors of a pre-quantized checkpoint load as PhaseWeights in their own format
+    (not expanded to `dtype`); a jaxserve-converted checkpoint restores its stored phases.
+    """
+    from jaxserve.checkpoint import orbax_io  # late: orbax is only needed for converted checkpoints
+
+    if orbax_io.is_jaxserve_checkpoint(path):
+        return orbax_io.load_model(path, dtype, mesh)
+    raw = _raw_config(path)
+    scheme = prequantized.parse_quantization_config(raw.get("quantization_config"))
+    cfg = ModelConfig.from_dict(raw)
     arch = get_architecture(cfg)
     abstract = nnx.eval_shape(lambda: arch.build(cfg, dtype, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
@@ -100,7 +122,9 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = N
             f"unmapped {_list_shown(set(flat) - set(specs))}; unknown {_list_shown(set(specs) - set(flat))}"
         )
     index = tensor_index(path)
-    needed = {n for s in specs.values() for n in s.sources}
+    read = _Reader(index)
+    plans = {t: prequantized.plan_tensors(scheme, s, index.__contains__, read.dtype_code) for t, s in specs.items()}
+    needed = {n for p in plans.values() for n in p.names}
     missing = needed - set(index)
     if missing:
         raise CheckpointError(f"checkpoint {path} is missing {len(missing)} tensor(s): {_list_shown(missing)}")
@@ -109,13 +133,18 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = N
         raise CheckpointError(
             f"checkpoint {path} has {len(unexpected)} unexpected tensor(s): {_list_shown(unexpected)}"
         )
+    if scheme is not None and not prequantized.count_quantized(plans.values()):
+        raise ConfigError(f"{path}: quantization_config says {scheme.method} ({scheme.weight_format}), "
+                          "but no tensor in the checkpoint is stored quantized")
 
-    read = _Reader(index)
     loaded = []
     for p, var in nnx.to_flat_state(state):
         key = "/".join(str(k) for k in p)
         spec = specs[key]
         want = var.get_value()
+        if plans[key].kind != "plain":
+            loaded.append((p, var.replace(_load_quantized(plans[key], scheme, read, key, var, mesh))))
+            continue
         arr = spec.build(*(read(n) for n in spec.sources))
         if tuple(arr.shape) != tuple(want.shape):
             raise CheckpointError(
@@ -129,3 +158,12 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = N
         loaded.append((p, var.replace(value)))
     model = nnx.merge(graphdef, nnx.from_flat_state(loaded))
     return cfg, model
+
+
+def _load_quantized(plan, scheme, read, key: str, var, mesh) -> PhaseWeight:
+    """A quantized checkpoint tensor (or expert stack) -> PhaseWeight in its own format, placed."""
+    shape = tuple(var.get_value().shape)
+    axes = var.get_metadata().get("logical_axes") or (None,) * len(shape)
+    mshape, maxes = matrix_view(key, shape, axes)
+    qw = prequantized.build_quantized(plan, scheme, read, mshape, key)
+    return PhaseWeight(place(qw, maxes, mesh, key), shape)

@@ -2,9 +2,11 @@
 
 ``quantize_state`` turns an NNX state's matmul weights into ``PhaseWeight`` leaves in a
 chosen format (norms, biases, the router and the embedding stay as loaded: they are small
-or, for the embedding, a lookup table). Inside the jitted program ``dense_state`` turns
-them back into arrays of the model's dtype just before use; XLA sees the stored bytes as
-the program's inputs, so each phase reads its own representation from memory.
+or, for the embedding, a lookup table). Weights a pre-quantized checkpoint loaded as
+PhaseWeights are kept in their own format or converted; a converted checkpoint's
+``PhaseSet`` gives the member stored for the phase. Inside the jitted program
+``dense_state`` turns them back into arrays of the model's dtype just before use; XLA sees
+the stored bytes as the program's inputs, so each phase reads its own representation.
 
 Weights are viewed as matrices [..., K, N] (K = input): 3-D attention weights
 [in, heads, x] become [in, heads * x]; the output projection [heads, v, D] becomes
@@ -18,11 +20,12 @@ import math
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxserve.quant.formats import get_weight_format
-from jaxserve.quant.qweight import QuantizedWeight, shardings_for
+from jaxserve.quant.qweight import QuantizedWeight, logical_axes_for
 
 # Parameter paths (as "/"-joined NNX paths) holding matmul weights.
 _MATMUL = re.compile(
@@ -54,27 +57,112 @@ def is_matmul_weight(path: str) -> bool:
     return bool(_MATMUL.search(path))
 
 
+def qw_shardings(qw: QuantizedWeight, weight_axes, mesh, name: str = "") -> QuantizedWeight:
+    """NamedShardings for a QuantizedWeight's fields (``qweight.shardings_for``'s rule), except
+    that a scale-grid dim whose length does not divide over the mesh is replicated instead
+    of being an error: e.g. an fp8 128-block grid has 2 blocks along a 256-wide head axis,
+    which 8 devices split into 32 columns each. Values keep the strict rule (their dims are
+    the weight's own). Replicating a small scale costs a little memory, never correctness."""
+    from jaxserve.sharding import MODEL_AXIS, RULES, named
+
+    size = mesh.shape[MODEL_AXIS]
+
+    def one(field):
+        arr = getattr(qw, field)
+        if arr is None:
+            return None
+        axes = logical_axes_for(qw, field, weight_axes)
+        if field == "scales":
+            axes = tuple(a if RULES.get(a) is None or d % size == 0 else None for a, d in zip(axes, arr.shape))
+        return named(mesh, axes, arr.shape, f"{name}.{field}")
+
+    return dataclasses.replace(qw, values=one("values"), scales=one("scales"))
+
+
+def place(qw: QuantizedWeight, weight_axes, mesh, name: str = "") -> QuantizedWeight:
+    """Put a host QuantizedWeight on device: sharded by ``qw_shardings`` under a mesh."""
+    return jax.device_put(qw, qw_shardings(qw, weight_axes, mesh, name)) if mesh is not None else jax.device_put(qw)
+
+
+class PhaseSetError(ValueError):
+    """A converted checkpoint does not hold the weight representation a phase asks for."""
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["members"], meta_fields=["labels"])
+@dataclasses.dataclass(frozen=True, eq=False)
+class PhaseSet:
+    """A converted (jaxserve convert) parameter whose phases store different representations.
+
+    labels[i] names members[i]'s representation: a format name, or None for the weights as
+    loaded (the source dtype). Two phases with the same label share one stored value, so
+    the labels of a set always differ and a label picks one member. ``quantize_state``
+    resolves sets; nothing inside jit ever sees one.
+    """
+
+    labels: tuple[str | None, ...]
+    members: tuple  # PhaseWeight | array, one per label
+
+    def pick(self, label: str | None):
+        if label not in self.labels:
+            shown = ", ".join(str(x or "as loaded") for x in self.labels)
+            raise PhaseSetError(
+                f"the converted checkpoint holds this weight as {shown}, not {label or 'as loaded'}; "
+                "ask for the formats it was converted with, or convert again with `jaxserve convert`"
+            )
+        return self.members[self.labels.index(label)]
+
+
+def _host_matrix(value, mshape) -> np.ndarray:
+    """A parameter value (array or PhaseWeight) as a float32 host matrix [..., K, N]."""
+    if isinstance(value, PhaseWeight):
+        value = value.qw.dequantize(jnp.float32)
+    return np.asarray(jax.device_get(value), np.float32).reshape(mshape)
+
+
+def phase_value(path: str, value, axes, fmt, mesh=None):
+    """One parameter's value in format `fmt` (a WeightFormat, or None: as it is).
+
+    value: an array, or a PhaseWeight already holding a (pre-quantized checkpoint's) format.
+    A PhaseWeight in the wanted format is returned as is; one in another format is
+    dequantized (float32, host) and requantized. Non-matmul parameters never change.
+    """
+    if fmt is None or not is_matmul_weight(path):
+        return value
+    if isinstance(value, PhaseWeight) and value.qw.format == fmt.name:
+        return value
+    shape = value.shape if isinstance(value, PhaseWeight) else tuple(value.shape)
+    axes = axes or (None,) * len(shape)
+    mshape, maxes = matrix_view(path, shape, axes)
+    qw = fmt.quantize(_host_matrix(value, mshape), name=path)
+    return PhaseWeight(place(qw, maxes, mesh, path), tuple(shape))
+
+
 def quantize_state(state, spec: str | None, mesh=None):
-    """Copy of `state` with every matmul weight stored in format `spec` (None: unchanged)."""
-    if spec is None:
-        return state
-    fmt = get_weight_format(spec)
+    """Copy of `state` with every matmul weight stored in format `spec`.
+
+    spec None means "as loaded": plain arrays stay, and a Variable that already holds a
+    PhaseWeight (a pre-quantized checkpoint, loaded in its own format) is kept. A PhaseWeight
+    is also kept when `spec` names its format; only when the phase asks for a different
+    format is it dequantized and requantized (once, on the host, at load).
+
+    A PhaseSet (a converted checkpoint's per-phase representations) gives the member whose
+    label is `spec`'s format (None: the "as loaded" member); a label it lacks is a
+    PhaseSetError, since a converted checkpoint exists to avoid requantizing at load
+    (``jaxserve convert`` re-converting one requantizes its largest member instead).
+    """
+    fmt = get_weight_format(spec) if spec is not None else None
+    label = fmt.name if fmt is not None else None
+    flat = nnx.to_flat_state(state)
+    if fmt is None and not any(isinstance(v.get_value(), PhaseSet) for _, v in flat):
+        return state  # as loaded: nothing to do
     out = []
-    for p, var in nnx.to_flat_state(state):
+    for p, var in flat:
         path = "/".join(str(k) for k in p)
-        if not is_matmul_weight(path):
-            out.append((p, var))
-            continue
         value = var.get_value()
-        axes = var.get_metadata().get("logical_axes") or (None,) * value.ndim
-        mshape, maxes = matrix_view(path, value.shape, axes)
-        w = np.asarray(jax.device_get(value), np.float32).reshape(mshape)
-        qw = fmt.quantize(w, name=path)
-        if mesh is not None:
-            qw = jax.device_put(qw, shardings_for(qw, maxes, mesh, path))
-        else:
-            qw = jax.device_put(qw)
-        out.append((p, var.replace(PhaseWeight(qw, tuple(value.shape)))))
+        if isinstance(value, PhaseSet):
+            value = value.pick(label)
+        new = phase_value(path, value, var.get_metadata().get("logical_axes"), fmt, mesh)
+        out.append((p, var if new is var.get_value() else var.replace(new)))
     return nnx.from_flat_state(out)
 
 
