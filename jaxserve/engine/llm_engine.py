@@ -17,11 +17,11 @@ import numpy as np
 
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.outputs import Completion, RequestOutput, Timing, Usage
-from jaxserve.engine.page_tracker import IntegrityError, NoOpTracker, PageTracker, TrackerStats, integrity_errors
+from jaxserve.engine.page_tracker import NoOpTracker, PageTracker, TrackerStats, integrity_errors
 from jaxserve.engine.sampler import sample_rows
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig
-from jaxserve.engine.sequence import Sequence, Status
+from jaxserve.engine.sequence import Sequence
 from jaxserve.runner import ModelRunner, bucket, pow2_buckets
 
 

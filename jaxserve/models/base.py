@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.quant.formats import get_weight_format
-from jaxserve.quant.qweight import QuantizedWeight, logical_axes_for
+from jaxserve.quant.qweight import QuantizedWeight, shardings_for
 
 # Parameter paths (as "/"-joined NNX paths) holding matmul weights.
 _MATMUL = re.compile(
@@ -57,26 +57,7 @@ def is_matmul_weight(path: str) -> bool:
     return bool(_MATMUL.search(path))
 
 
-def qw_shardings(qw: QuantizedWeight, weight_axes, mesh, name: str = "") -> QuantizedWeight:
-    """NamedShardings for a QuantizedWeight's fields (``qweight.shardings_for``'s rule), except
-    that a scale-grid dim whose length does not divide over the mesh is replicated instead
-    of being an error: e.g. an fp8 128-block grid has 2 blocks along a 256-wide head axis,
-    which 8 devices split into 32 columns each. Values keep the strict rule (their dims are
-    the weight's own). Replicating a small scale costs a little memory, never correctness."""
-    from jaxserve.sharding import MODEL_AXIS, RULES, named
-
-    size = mesh.shape[MODEL_AXIS]
-
-    def one(field):
-        arr = getattr(qw, field)
-        if arr is None:
-            return None
-        axes = logical_axes_for(qw, field, weight_axes)
-        if field == "scales":
-            axes = tuple(a if RULES.get(a) is None or d % size == 0 else None for a, d in zip(axes, arr.shape))
-        return named(mesh, axes, arr.shape, f"{name}.{field}")
-
-    return dataclasses.replace(qw, values=one("values"), scales=one("scales"))
+qw_shardings = shardings_for  # kept as the name the checkpoint code uses
 
 
 def place(qw: QuantizedWeight, weight_axes, mesh, name: str = "") -> QuantizedWeight:

@@ -155,13 +155,22 @@ def logical_axes_for(qw: QuantizedWeight, field: str, weight_axes) -> tuple:
 
 def shardings_for(qw: QuantizedWeight, weight_axes, mesh, name: str = "") -> QuantizedWeight:
     """A QuantizedWeight-shaped pytree of NamedShardings, for ``jax.device_put(qw, ...)``
-    or jit's in_shardings. Uses jaxserve.sharding's rules (errors on uneven splits)."""
-    from jaxserve.sharding import named
+    or jit's in_shardings. Uses jaxserve.sharding's rules (errors on uneven splits of the
+    values). A scale-grid dim whose length does not divide over the mesh is replicated
+    instead: e.g. an fp8 128-block grid has 2 blocks along a 256-wide head axis, which 8
+    devices would split into 32 columns each. A small replicated scale costs a little
+    memory, never correctness."""
+    from jaxserve.sharding import MODEL_AXIS, RULES, named
+
+    size = mesh.shape[MODEL_AXIS]
 
     def one(field):
         arr = getattr(qw, field)
         if arr is None:
             return None
-        return named(mesh, logical_axes_for(qw, field, weight_axes), arr.shape, f"{name}.{field}")
+        axes = logical_axes_for(qw, field, weight_axes)
+        if field == "scales":
+            axes = tuple(a if RULES.get(a) is None or d % size == 0 else None for a, d in zip(axes, arr.shape))
+        return named(mesh, axes, arr.shape, f"{name}.{field}")
 
     return dataclasses.replace(qw, values=one("values"), scales=one("scales"))
