@@ -8,6 +8,7 @@ and text detokenized incrementally.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import time
@@ -73,6 +74,8 @@ def default_attention_backend() -> str:
 
 
 class LLMEngine:
+    KEEP_FINISHED = 1024  # finished requests kept in `seqs` for inspection
+
     def __init__(self, model, config: EngineConfig, fmt, tokenizer=None, mesh=None):
         self.config = config
         self.cfg = model.cfg
@@ -94,6 +97,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
         self._just_finished: list[Sequence] = []
+        self._finished_order: collections.deque[str] = collections.deque()
         eos = set(self.cfg.eos_token_id) | set(tokenizer.eos_token_ids if tokenizer is not None else [])
         self.eos_token_ids = frozenset(eos)
 
@@ -117,7 +121,8 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.seqs and not self.seqs[rid].finished:
             raise ValueError(f"request id {rid!r} is already running")
-        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
+        # Any integer seed works: it is folded into the 31-bit range the PRNG key takes.
+        seed = params.seed % 2**31 if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
         seq = Sequence(rid, ids, params, seed)
         if self.tokenizer is not None:
             from jaxserve.tokenizer import IncrementalDetokenizer
@@ -226,7 +231,7 @@ class LLMEngine:
         n_lp = max((s.params.logprobs or 0) for _, s in rows)
         n_lp = 0 if n_lp == 0 and all(s.params.logprobs is None for _, s in rows) else bucket(max(n_lp, 1))
         tokens, lp, top_ids, top_lp = sample_rows(
-            logits[idx], temp, top_k, top_p, min_p, seeds, steps, **extra,
+            logits, idx, temp, top_k, top_p, min_p, seeds, steps, **extra,
             all_greedy=all(s.params.greedy for _, s in rows), penalties=penalties, num_logprobs=n_lp,
         )
         tokens, lp, top_ids, top_lp = map(np.asarray, (tokens, lp, top_ids, top_lp))
@@ -268,6 +273,13 @@ class LLMEngine:
         self.scheduler.finish(s, reason, error)
         s.finish_time = time.perf_counter()
         self._just_finished.append(s)
+        # Keep the most recent finished requests inspectable; forget older ones (a long-running
+        # server must not grow without bound).
+        self._finished_order.append(s.request_id)
+        while len(self._finished_order) > self.KEEP_FINISHED:
+            old = self._finished_order.popleft()
+            if old in self.seqs and self.seqs[old].finished:
+                del self.seqs[old]
 
     def _output(self, s: Sequence, new_ids: list[int]) -> RequestOutput:
         # Hold back text that could be the start of a stop string until it is decided.
@@ -299,12 +311,22 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self) -> None:
-        """Compile every serving bucket (prefill rows x tokens, decode rows) and the sampler."""
+        """Compile every serving bucket (prefill rows x tokens, decode rows) and the plain
+        greedy and sampling variants of the sampler for each batch size (the penalty and
+        logprob variants compile on first use)."""
         c = self.config
         decode = pow2_buckets(1, c.max_num_seqs)
         prefill_t = pow2_buckets(16, min(c.prefill_chunk, c.max_num_batched_tokens))
-        prefill = [(b, t) for b in pow2_buckets(1, c.max_prefill_seqs) for t in prefill_t]
+        prefill_b = pow2_buckets(1, c.max_prefill_seqs)
+        prefill = [(b, t) for b in prefill_b for t in prefill_t]
         self.runner.warmup(decode, prefill)
+        v = self.cfg.vocab_size
+        for rows in sorted(set(decode) | set(prefill_b)):
+            for n in pow2_buckets(1, rows):
+                f32, i32 = np.zeros(n, np.float32), np.zeros(n, np.int32)
+                for greedy in (True, False):
+                    sample_rows(np.zeros((rows, v), np.float32), i32, f32, i32, np.ones(n, np.float32), f32, i32, i32,
+                                all_greedy=greedy, penalties=False, num_logprobs=0)
 
     def run_until_done(self, request_ids: Iterable[str] | None = None) -> None:
         while self.has_unfinished():

@@ -17,16 +17,18 @@ import jax.numpy as jnp
 
 @functools.partial(jax.jit, static_argnames=("all_greedy", "penalties", "num_logprobs"))
 def sample_rows(
-    logits, temperature, top_k, top_p, min_p, seeds, steps,
+    logits, rows, temperature, top_k, top_p, min_p, seeds, steps,
     counts=None, seen=None, repetition=None, presence=None, frequency=None,
     *, all_greedy: bool, penalties: bool, num_logprobs: int,
 ):
-    """logits f32 [B, V]; per-row temperature/top_p/min_p f32 [B], top_k/seeds/steps int32 [B];
+    """logits f32 [L, V] (a program's output); rows int32 [B]: which logits row each sample
+    uses; per-row temperature/top_p/min_p f32 [B], top_k/seeds/steps int32 [B];
     counts int32 [B, V] (generated-token counts), seen bool [B, V] (prompt or generated),
     repetition/presence/frequency f32 [B] (only with penalties=True).
 
     -> tokens int32 [B], logprob f32 [B], top_ids int32 [B, n], top_logprobs f32 [B, n].
     """
+    logits = logits[rows]
     raw_lp = jax.nn.log_softmax(logits, axis=-1)
     x = logits
     if penalties:
