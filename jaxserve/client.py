@@ -1,0 +1,188 @@
+"""Python clients for a ``jaxserve serve`` server (gRPC, ``jaxserve.v1.JaxServe``).
+
+    from jaxserve.client import Client
+    with Client("127.0.0.1:50051") as c:
+        r = c.generate("What is the capital of France?", max_tokens=32, chat_template=True)
+        r.text, list(r.token_ids), r.finish_reason, r.usage.cached_tokens
+        for ev in c.generate_stream([1, 4093, 198], max_tokens=8):
+            ...  # ev.start, then ev.delta (token_ids, text), then ev.end (finish reason, usage, timing)
+
+``AsyncClient`` has the same methods as coroutines (``generate_stream`` returns an async
+iterator with ``.cancel()``). Errors are ``grpc.RpcError`` with the server's status code;
+``retry_after_s(err)`` reads the retry hint sent with RESOURCE_EXHAUSTED / UNAVAILABLE.
+Sampling arguments left as None are not sent, so the server's defaults apply.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jaxserve.server.errors import retry_after_s
+from jaxserve.v1 import jaxserve_pb2 as pb
+from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
+
+__all__ = ["Client", "AsyncClient", "build_request", "retry_after_s", "pb"]
+
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
+             "frequency_penalty")
+FINISH_REASON_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+                       pb.FINISH_REASON_ABORT: "abort", pb.FINISH_REASON_UNSPECIFIED: "unspecified"}
+
+
+def build_request(prompt: str | Sequence[int], *, max_tokens: int | None = None, stop: Sequence[str] = (),
+                  stop_token_ids: Sequence[int] = (), ignore_eos: bool | None = None, request_id: str = "",
+                  session_id: str = "", chat_template: bool = False, **sampling) -> pb.GenerateRequest:
+    """A GenerateRequest: a text prompt or token ids, sampling keyword arguments
+    (temperature, top_p, top_k, min_p, seed, repetition_penalty, presence_penalty,
+    frequency_penalty) and stop criteria; None means unset (the server default)."""
+    unknown = set(sampling) - set(_SAMPLING)
+    if unknown:
+        raise TypeError(f"unknown sampling arguments {sorted(unknown)}; known: {list(_SAMPLING)}")
+    req = pb.GenerateRequest(request_id=request_id, session_id=session_id, apply_chat_template=chat_template)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(int(t) for t in prompt)
+        req.token_ids.SetInParent()  # an empty id list is still "token ids" (the server says: empty prompt)
+    for name, value in sampling.items():
+        if value is not None:
+            setattr(req.sampling, name, value)
+    if max_tokens is not None:
+        req.stop.max_tokens = max_tokens
+    if ignore_eos is not None:
+        req.stop.ignore_eos = ignore_eos
+    req.stop.stop.extend([stop] if isinstance(stop, str) else stop)
+    req.stop.stop_token_ids.extend(stop_token_ids)
+    return req
+
+
+def finish_reason(msg) -> str:
+    """"stop" | "length" | "abort" of a GenerateResponse or StreamEnd."""
+    return FINISH_REASON_NAMES[msg.finish_reason]
+
+
+def _metadata(metadata, session_header: str | None):
+    md = list(metadata or ())
+    if session_header:
+        md.append(("x-session-affinity", session_header))
+    return tuple(md) or None
+
+
+class Client:
+    """A blocking client. target: "host:port"; timeout: default deadline per call (seconds)."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None, channel=None):
+        self.target = target
+        self.timeout = timeout
+        self.channel = channel or grpc.insecure_channel(target)
+        self.stub = pb_grpc.JaxServeStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    def _t(self, timeout):
+        return self.timeout if timeout is None else timeout
+
+    def generate(self, prompt, *, timeout: float | None = None, metadata=None, session_header: str | None = None,
+                 **kwargs) -> pb.GenerateResponse:
+        """Generate and wait: a GenerateResponse (token_ids, text, finish_reason, usage, timing)."""
+        return self.stub.Generate(build_request(prompt, **kwargs), timeout=self._t(timeout),
+                                  metadata=_metadata(metadata, session_header))
+
+    def generate_stream(self, prompt, *, timeout: float | None = None, metadata=None,
+                        session_header: str | None = None, **kwargs) -> Iterator[pb.GenerateStreamResponse]:
+        """Stream events: one `start`, `delta`s, one `end`. The returned call is an iterator
+        with .cancel(): cancelling aborts the request on the server and frees its pages."""
+        return self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=self._t(timeout),
+                                        metadata=_metadata(metadata, session_header))
+
+    def tokenize(self, text: str, *, add_special_tokens: bool | None = None, chat_template: bool = False,
+                 timeout: float | None = None) -> list[int]:
+        req = pb.TokenizeRequest(text=text, apply_chat_template=chat_template)
+        if add_special_tokens is not None:
+            req.add_special_tokens = add_special_tokens
+        return list(self.stub.Tokenize(req, timeout=self._t(timeout)).token_ids)
+
+    def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None,
+                   timeout: float | None = None) -> str:
+        req = pb.DetokenizeRequest(token_ids=list(token_ids))
+        if skip_special_tokens is not None:
+            req.skip_special_tokens = skip_special_tokens
+        return self.stub.Detokenize(req, timeout=self._t(timeout)).text
+
+    def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._t(timeout))
+
+    def abort(self, *request_ids: str, timeout: float | None = None) -> pb.AbortResponse:
+        return self.stub.Abort(pb.AbortRequest(request_ids=list(request_ids)), timeout=self._t(timeout))
+
+    def health(self, service: str = "", timeout: float | None = None) -> str:
+        """"SERVING" | "NOT_SERVING" | ... (grpc.health.v1); service "" = the whole server."""
+        resp = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self._t(timeout) or 5.0)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def wait_ready(self, timeout: float = 300.0, poll: float = 0.1) -> None:
+        """Block until health is SERVING (warm-up done); raises TimeoutError."""
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                if self.health(timeout=max(poll, 1.0)) == "SERVING":
+                    return
+            except grpc.RpcError:
+                pass  # not listening yet
+            if time.monotonic() > end:
+                raise TimeoutError(f"{self.target} not SERVING after {timeout}s")
+            time.sleep(poll)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class AsyncClient:
+    """The grpc.aio twin of Client (create it inside a running event loop)."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None, channel=None):
+        self.target = target
+        self.timeout = timeout
+        self.channel = channel or grpc.aio.insecure_channel(target)
+        self.stub = pb_grpc.JaxServeStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    def _t(self, timeout):
+        return self.timeout if timeout is None else timeout
+
+    async def generate(self, prompt, *, timeout=None, metadata=None, session_header=None, **kwargs):
+        return await self.stub.Generate(build_request(prompt, **kwargs), timeout=self._t(timeout),
+                                        metadata=_metadata(metadata, session_header))
+
+    def generate_stream(self, prompt, *, timeout=None, metadata=None, session_header=None, **kwargs):
+        """An async iterator of GenerateStreamResponse with .cancel()."""
+        return self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=self._t(timeout),
+                                        metadata=_metadata(metadata, session_header))
+
+    async def model_info(self, timeout=None) -> pb.ModelInfo:
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._t(timeout))
+
+    async def abort(self, *request_ids: str, timeout=None) -> pb.AbortResponse:
+        return await self.stub.Abort(pb.AbortRequest(request_ids=list(request_ids)), timeout=self._t(timeout))
+
+    async def health(self, service: str = "", timeout=None) -> str:
+        resp = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
+                                            timeout=self._t(timeout) or 5.0)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()

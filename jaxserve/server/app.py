@@ -1,0 +1,194 @@
+"""One engine behind a grpc.aio server: the JaxServe service, grpc.health.v1, server
+reflection and a Prometheus endpoint; warm-up before SERVING, graceful drain on stop.
+
+``Server`` lives on an asyncio event loop (``jaxserve serve`` runs it on the main thread);
+``ServerThread`` runs one on a background thread for synchronous callers (tests, benches).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jaxserve.server import convert
+from jaxserve.server.engine_loop import EngineLoop
+from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.service import JaxServeService
+from jaxserve.v1 import jaxserve_pb2 as pb
+from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger("jaxserve.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name  # "jaxserve.v1.JaxServe"
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Server:
+    """Serve `llm` (a jaxserve.LLM) on host:port.
+
+    port 0 picks a free port (read ``.port`` after ``start``); metrics_port None turns the
+    metrics endpoint off, 0 picks a free port. max_waiting: requests accepted but not yet
+    admitted before new ones get RESOURCE_EXHAUSTED. The weights are hashed here, once,
+    for the fingerprint in GetModelInfo.
+    """
+
+    def __init__(self, llm, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = 0,
+                 max_waiting: int = 256, replica_id: str | None = None):
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        self.llm = llm
+        self.host, self.port, self.metrics_port = host, port, metrics_port
+        self.max_waiting = max_waiting
+        self.metrics = ServerMetrics()
+        self.info = convert.model_info(llm, max_waiting, replica_id or "")
+        self._replica_id = replica_id
+        self.failure: BaseException | None = None
+        self._grpc = self._http = self.service = self.engine_loop = self.health = None
+
+    async def start(self) -> None:
+        """Bind and start answering (health NOT_SERVING); warm-up runs on the engine thread
+        and turns health SERVING when every serving program is compiled."""
+        loop = asyncio.get_running_loop()
+        self._ready = asyncio.Event()
+        self.health = health.aio.HealthServicer()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, _NOT_SERVING)
+        self.engine_loop = EngineLoop(self.llm.engine, self.metrics, loop, self._on_ready, self._on_failed)
+        self.service = JaxServeService(self.llm, self.engine_loop, self.metrics, self.info, self.max_waiting)
+        # so_reuseport off: a second server asking for a busy port must fail, not share it.
+        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_JaxServeServicer_to_server(self.service, self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
+        self.port = self._grpc.add_insecure_port(f"{self.host}:{self.port}")
+        # The default replica id names the port actually bound (a router's key for this replica).
+        self.info.replica_id = self._replica_id or f"{socket.gethostname()}:{self.port}"
+        self.metrics.info.info({
+            "architecture": self.info.architecture, "model": self.info.model, "fingerprint": self.info.fingerprint,
+            "prefill_weights": self.info.prefill.weights, "decode_weights": self.info.decode.weights,
+            "prefill_kv": self.info.prefill.kv_cache, "decode_kv": self.info.decode.kv_cache,
+            "replica_id": self.info.replica_id,
+        })
+        await self._grpc.start()
+        if self.metrics_port is not None:
+            self._http, _, self.metrics_port = self.metrics.serve_http(self.metrics_port, self.host)
+        log.info("listening on %s:%d (metrics %s); warming up", self.host, self.port, self.metrics_port)
+        self.engine_loop.start()
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _on_ready(self) -> None:  # event loop thread
+        asyncio.ensure_future(self._become_ready())
+
+    async def _become_ready(self) -> None:
+        if self.service.phase != "warming up":  # stopped during warm-up: stay NOT_SERVING
+            return
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, _SERVING)
+        self.service.phase = "serving"
+        self.metrics.serving.set(1)
+        log.info("warm-up done: SERVING on %s", self.target)
+        self._ready.set()
+
+    def _on_failed(self, error: BaseException) -> None:  # event loop thread
+        self.failure = error
+        self.service.phase = "failed"
+        self._ready.set()
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Until warm-up is done and health is SERVING; raises if warm-up failed."""
+        await asyncio.wait_for(self._ready.wait(), timeout)
+        if self.failure is not None:
+            raise RuntimeError(f"warm-up failed: {self.failure!r}") from self.failure
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """Graceful drain: health NOT_SERVING, new requests UNAVAILABLE, running ones get up
+        to `grace` seconds to finish; the rest are cancelled (their pages freed)."""
+        if self._grpc is None:
+            return
+        self.service.phase = "draining"
+        self.metrics.serving.set(0)
+        await self.health.enter_graceful_shutdown()
+        idle = await self.service.wait_idle(grace)
+        log.info("drained (%s); stopping", "idle" if idle else f"{len(self.service.active)} cancelled")
+        await self._grpc.stop(0.5)  # cancels what is left: their handlers abort in the engine
+        self.engine_loop.stop()
+        await asyncio.to_thread(self.engine_loop.join, 30.0)
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        self._grpc = None
+
+    async def wait_for_termination(self) -> None:
+        await self._grpc.wait_for_termination()
+
+
+class ServerThread:
+    """A Server on its own event loop thread, for synchronous code:
+
+        with ServerThread(llm) as st:      # bound; warming up
+            st.wait_ready()
+            Client(st.target).generate("hi")
+    """
+
+    def __init__(self, llm, **server_kwargs):
+        self.server = Server(llm, **server_kwargs)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="jaxserve-grpc", daemon=True)
+
+    def _main(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        try:
+            self.loop.run_until_complete(self.server.start())
+        except BaseException as e:
+            self._error = e
+            self._started.set()
+            return
+        self._started.set()
+        self.loop.run_forever()
+        self.loop.close()
+
+    def start(self) -> "ServerThread":
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def run(self, coro, timeout: float | None = None):
+        """Run a coroutine on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def wait_ready(self, timeout: float | None = 300.0) -> None:
+        self.run(self.server.wait_ready(timeout))
+
+    def call(self, fn, timeout: float | None = 60.0):
+        """fn(engine) on the engine thread, between steps (fault injection, diagnostics)."""
+        return self.server.engine_loop.call(fn).result(timeout)
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.loop is None or not self._thread.is_alive():
+            return
+        self.run(self.server.stop(grace))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10.0)
+
+    @property
+    def target(self) -> str:
+        return self.server.target
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

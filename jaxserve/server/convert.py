@@ -1,0 +1,158 @@
+"""Protos <-> engine objects: requests to (prompt ids, SamplingParams), results to responses,
+and the model's identity (formats per phase, fingerprint) for GetModelInfo.
+
+Pure functions of their arguments (no engine state), so handlers call them on the event
+loop; anything wrong with the input raises ``ServeError`` with the right status code.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+
+import numpy as np
+
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.server import errors
+from jaxserve.v1 import jaxserve_pb2 as pb
+
+SEED_MAX = 2**31 - 1  # the engine's sampler keeps seeds in int32
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty")
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+
+
+def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
+    """Only the fields the client set reach SamplingParams (unset = the engine default)."""
+    kw = {f: getattr(req.sampling, f) for f in _SAMPLING_FIELDS if req.sampling.HasField(f)}
+    if "seed" in kw and not 0 <= kw["seed"] <= SEED_MAX:
+        raise errors.invalid_argument(f"seed must be in [0, {SEED_MAX}], got {kw['seed']}")
+    stop = req.stop
+    if stop.HasField("max_tokens"):
+        kw["max_tokens"] = stop.max_tokens
+    if stop.HasField("ignore_eos"):
+        kw["ignore_eos"] = stop.ignore_eos
+    kw["stop"] = tuple(stop.stop)
+    kw["stop_token_ids"] = tuple(stop.stop_token_ids)
+    try:
+        return SamplingParams(**kw)
+    except (ValueError, TypeError) as e:
+        raise errors.invalid_argument(str(e)) from e
+
+
+def _need_tokenizer(tokenizer, what: str):
+    if tokenizer is None:
+        raise errors.failed_precondition(f"this model has no tokenizer: {what}")
+
+
+def encode_text(tokenizer, text: str, chat_template: bool, add_special_tokens: bool = True) -> list[int]:
+    """Text -> ids exactly as ``LLM.generate`` tokenizes a string prompt."""
+    _need_tokenizer(tokenizer, "send token ids instead of text")
+    if chat_template:
+        if not tokenizer.chat_template:
+            raise errors.failed_precondition("this model has no chat template")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def prompt_ids(req: pb.GenerateRequest, tokenizer) -> list[int]:
+    kind = req.WhichOneof("prompt")
+    if kind is None:
+        raise errors.invalid_argument("empty prompt: set text or token_ids")
+    if kind == "token_ids":
+        if req.apply_chat_template:
+            raise errors.invalid_argument("apply_chat_template needs a text prompt")
+        ids = list(req.token_ids.ids)
+    else:
+        ids = encode_text(tokenizer, req.text, req.apply_chat_template)
+    if not ids:
+        raise errors.invalid_argument("empty prompt")
+    return ids
+
+
+def decode_ids(tokenizer, ids, vocab_size: int, skip_special_tokens: bool) -> str:
+    _need_tokenizer(tokenizer, "nothing to detokenize with")
+    bad = [t for t in ids if t >= vocab_size]
+    if bad:
+        raise errors.invalid_argument(f"token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+# ---------------------------------------------------------------------- results
+def usage(u) -> pb.Usage:
+    return pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens)
+
+
+def timing(ttft_s: float | None, total_s: float) -> pb.Timing:
+    t = pb.Timing(total_s=total_s)
+    if ttft_s is not None:
+        t.time_to_first_token_s = ttft_s
+    return t
+
+
+# ---------------------------------------------------------------------- model identity
+def weights_dtype(params) -> str:
+    """The loaded weights' float dtype: the one holding the most elements."""
+    counts = collections.Counter()
+    for leaf in params:
+        dt = np.dtype(leaf.dtype)
+        if dt.kind == "f" or dt.name == "bfloat16":
+            counts[dt.name] += int(np.prod(leaf.shape))
+    return counts.most_common(1)[0][0] if counts else "unknown"
+
+
+def loaded_dtype(llm) -> str:
+    """The dtype the model was loaded in (activations; the weights unless quantized)."""
+    dtype = getattr(llm, "dtype", None)
+    return str(getattr(dtype, "__name__", None) or dtype) if dtype is not None else weights_dtype(llm.runner.params)
+
+
+def phase_formats(llm) -> dict[str, dict[str, str]]:
+    """Weight and KV formats per phase. Both phases share the loaded dtype and the KV pool
+    today; a config that names per-phase formats (prefill_weights, ...) takes precedence."""
+    cfg = llm.engine.config
+    dtype = loaded_dtype(llm)
+    out = {}
+    for phase in ("prefill", "decode"):
+        out[phase] = {
+            "weights": str(getattr(cfg, f"{phase}_weights", None) or dtype),
+            "kv_cache": str(getattr(cfg, f"{phase}_kv_format", None) or llm.fmt.name),
+        }
+    return out
+
+
+def fingerprint(params, formats: dict) -> str:
+    """sha256 over every weight (index, dtype, shape, bytes, in load order) + the formats."""
+    h = hashlib.sha256()
+    for i, leaf in enumerate(params):
+        a = np.ascontiguousarray(np.asarray(leaf))
+        h.update(f"{i}:{a.dtype.name}:{a.shape};".encode())
+        h.update(a.reshape(-1).view(np.uint8))  # byte view: works for bfloat16 / fp8 too
+    h.update(json.dumps(formats, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def model_info(llm, max_waiting: int, replica_id: str) -> pb.ModelInfo:
+    """The static part of GetModelInfo (kv_pages is filled per call). Hashes every weight:
+    call once at startup."""
+    formats = phase_formats(llm)
+    eng = llm.engine
+    tok = llm.tokenizer
+    return pb.ModelInfo(
+        architecture=llm.cfg.architecture,
+        model=str(getattr(llm, "model_path", "")),
+        dtype=loaded_dtype(llm),
+        prefill=pb.PhaseFormats(**formats["prefill"]),
+        decode=pb.PhaseFormats(**formats["decode"]),
+        page_size=eng.config.page_size,
+        num_pages=eng.config.num_pages,
+        max_context=eng.max_model_len,
+        vocab_size=llm.cfg.vocab_size,
+        fingerprint=fingerprint(llm.runner.params, formats),
+        has_tokenizer=tok is not None,
+        eos_token_ids=sorted(eng.eos_token_ids),
+        max_num_seqs=eng.config.max_num_seqs,
+        max_waiting=max_waiting,
+        integrity_check=eng.config.integrity_check,
+        replica_id=replica_id,
+    )

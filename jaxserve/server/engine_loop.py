@@ -1,0 +1,286 @@
+"""The engine thread: the one place that touches the (not thread-safe) LLMEngine.
+
+Event loop -> engine thread: commands on a SimpleQueue (add, abort, call, stop), processed
+in FIFO order, so an abort can never overtake the add it refers to.
+Engine thread -> event loop: per step, one ``loop.call_soon_threadsafe`` hands a batch of
+(stream, event) pairs to ``_deliver``, which puts each event on its request's
+asyncio.Queue. Events are tuples:
+
+    ("start", prompt_tokens, cached_tokens)           once, when the scheduler admits it
+    ("delta", token_ids, text)                        new tokens (and/or text)
+    ("end", finish_reason, Usage, ttft_s, total_s, error)   error: IntegrityError | None
+    ("error", exception)                              rejected by add_request, or step() failed
+
+Invariant: every submitted stream receives exactly one terminal event ("end" or "error"),
+even when its RPC has already gone away; the queue-depth accounting relies on it.
+
+Engine request ids are internal and unique (``<client id>#<n>``), so a client may reuse its
+own id right after cancelling without ever receiving the old request's late events.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+from jaxserve.engine.outputs import Usage
+from jaxserve.server import errors
+
+log = logging.getLogger("jaxserve.server")
+
+
+@dataclasses.dataclass(eq=False)
+class RequestStream:
+    """One request as the event loop sees it (created by the service, fed by the engine)."""
+
+    request_id: str  # the client's id (or the generated one)
+    engine_id: str  # unique inside the engine
+    session_id: str
+    arrival: float  # time.perf_counter() when the RPC arrived
+    queue: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
+    admitted: bool = False  # a start or terminal event arrived (no longer counts as waiting)
+    done: bool = False  # the handler consumed the terminal event
+
+    async def events(self):
+        """Yield events up to and including the terminal one."""
+        while True:
+            ev = await self.queue.get()
+            yield ev
+            if ev[0] in ("end", "error"):
+                self.done = True
+                return
+
+
+@dataclasses.dataclass(eq=False)
+class _Live:
+    """Engine-thread bookkeeping of a request in the engine."""
+
+    stream: RequestStream
+    started: bool = False
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+class EngineLoop:
+    def __init__(self, engine, metrics, loop: asyncio.AbstractEventLoop,
+                 on_ready: Callable[[], None], on_failed: Callable[[BaseException], None]):
+        self.engine = engine
+        self.metrics = metrics
+        self.loop = loop
+        self._on_ready, self._on_failed = on_ready, on_failed
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}  # engine thread only
+        self._out: list = []  # engine thread only: events of this iteration
+        self._stopped = False
+        self.waiting = 0  # event loop only: submitted, not yet admitted
+        self.kv_pages = (engine.bm.num_pages - 1, 0, engine.bm.num_free_pages)  # total, used, free
+        self.recent_duration_s = 1.0  # EWMA of request durations, for retry-after hints
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+
+    # ------------------------------------------------------------------ event loop side
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, stream: RequestStream, prompt_ids: list[int], params) -> None:
+        self.waiting += 1
+        self.metrics.queue_depth.set(self.waiting)
+        self._inbox.put(("add", stream, prompt_ids, params))
+
+    def abort(self, engine_id: str) -> concurrent.futures.Future:
+        """Abort through the engine thread; the future's result: was it running."""
+        fut = concurrent.futures.Future()
+        self._inbox.put(("abort", engine_id, fut))
+        return fut
+
+    def call(self, fn: Callable) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine thread between steps (diagnostics, tests)."""
+        fut = concurrent.futures.Future()
+        self._inbox.put(("call", fn, fut))
+        return fut
+
+    def stop(self) -> None:
+        """Abort whatever is left (each stream gets UNAVAILABLE) and end the thread."""
+        self._inbox.put(("stop",))
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _deliver(self, batch) -> None:
+        for stream, ev in batch:
+            if not stream.admitted and ev[0] in ("start", "end", "error"):
+                stream.admitted = True
+                self.waiting -= 1
+            stream.queue.put_nowait(ev)
+        self.metrics.queue_depth.set(self.waiting)
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            self.engine.warmup()
+        except BaseException as e:  # the server cannot serve: say so, never report SERVING
+            log.exception("warm-up failed")
+            self._post(self._on_failed, e)
+            return
+        self._sync()
+        self._post(self._on_ready)
+        while not self._stopped:
+            self._commands(block=not self.engine.has_unfinished())
+            if not self._stopped and self.engine.has_unfinished():
+                self._step()
+            self._sync()
+            self._flush()
+        self._reject_rest()
+
+    def _reject_rest(self) -> None:
+        """After stop: nothing queued behind it may wait forever."""
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                self._out.append((cmd[1], ("error", errors.unavailable("shutting down"))))
+            elif cmd[0] in ("abort", "call"):
+                cmd[2].set_exception(RuntimeError("the engine loop has stopped"))
+        self._flush()
+
+    def _post(self, fn, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _flush(self) -> None:
+        if self._out:
+            batch, self._out = self._out, []
+            self._post(self._deliver, batch)
+
+    def _sync(self) -> None:
+        bm = self.engine.bm
+        self.kv_pages = (bm.num_pages - 1, bm.num_used_pages, bm.num_free_pages)  # one atomic store
+        self.metrics.sync_engine(self.engine)
+
+    def _commands(self, block: bool) -> None:
+        try:
+            cmd = self._inbox.get() if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._command(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _command(self, cmd) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, stream, ids, params = cmd
+            try:
+                self.engine.add_request(ids, params, request_id=stream.engine_id)
+            except Exception as e:  # ValueError = bad input; the loop maps the type to a code
+                self._out.append((stream, ("error", e)))
+                return
+            self._live[stream.engine_id] = _Live(stream)
+        elif kind == "abort":
+            _, eid, fut = cmd
+            try:
+                ok = self.engine.abort(eid)
+            except Exception as e:
+                log.exception("abort(%s) failed", eid)
+                ok = False
+                fut.set_exception(e)
+            live = self._live.pop(eid, None)
+            if live is not None:  # its late step() output is ignored: the end is sent now
+                seq = self.engine.seqs[eid]
+                self._end(live, "abort", self.engine.completion(seq).usage, None)
+            if not fut.done():
+                fut.set_result(ok)
+        elif kind == "call":
+            _, fn, fut = cmd
+            try:
+                fut.set_result(fn(self.engine))
+            except Exception as e:
+                fut.set_exception(e)
+        elif kind == "stop":
+            self._stopped = True
+            shutting_down = errors.unavailable("shutting down")
+            for eid, live in list(self._live.items()):
+                self.engine.abort(eid)
+                self._out.append((live.stream, ("error", shutting_down)))
+                self._forget(eid)
+            self._live.clear()
+
+    def _step(self) -> None:
+        try:
+            outs = self.engine.step()
+        except Exception as e:  # a bug: fail the requests in flight (INTERNAL), keep serving
+            log.exception("engine.step() failed; aborting %d requests in flight", len(self._live))
+            self.metrics.engine_errors.inc()
+            for eid, live in list(self._live.items()):
+                try:
+                    self.engine.abort(eid)  # frees the pages
+                except Exception:
+                    log.exception("abort(%s) after a failed step", eid)
+                self._out.append((live.stream, ("error", e)))
+                self._forget(eid)
+            self._live.clear()
+            return
+        now = time.perf_counter()
+        for out in outs:
+            live = self._live.get(out.request_id)
+            if live is None:  # aborted earlier: its end event has been sent already
+                continue
+            self._start(live)
+            if out.new_token_ids:
+                n = len(out.new_token_ids)
+                if live.first_token is None:
+                    live.first_token = now
+                    self.metrics.ttft.observe(now - live.stream.arrival)
+                else:
+                    self.metrics.itl.observe(now - live.last_token)
+                live.last_token = now
+                self.metrics.completion_tokens.inc(n)
+            if out.new_token_ids or out.new_text:
+                self._out.append((live.stream, ("delta", list(out.new_token_ids), out.new_text)))
+            if out.finished:
+                del self._live[out.request_id]
+                self._end(live, out.finish_reason, out.completion.usage, out.error)
+        for live in self._live.values():
+            if not live.started:
+                self._start(live)
+
+    def _start(self, live: _Live) -> None:
+        """Send the start event once the scheduler has admitted the request (the prefix
+        cache lookup happens at admission, so that is when cached tokens are known)."""
+        if live.started:
+            return
+        seq = self.engine.seqs[live.stream.engine_id]
+        if not (seq.admitted or seq.finished):
+            return
+        live.started = True
+        self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
+        self.metrics.cached_tokens.inc(seq.num_cached_tokens)
+        self._out.append((live.stream, ("start", len(seq.prompt_ids), seq.num_cached_tokens)))
+
+    def _end(self, live: _Live, reason: str, usage: Usage, error) -> None:
+        now = time.perf_counter()
+        stream = live.stream
+        self._start(live)
+        total = now - stream.arrival
+        ttft = live.first_token - stream.arrival if live.first_token is not None else None
+        self.metrics.e2e.observe(total)
+        self.recent_duration_s = 0.9 * self.recent_duration_s + 0.1 * total
+        self._out.append((stream, ("end", reason, usage, ttft, total, error)))
+        self._forget(stream.engine_id)
+
+    def _forget(self, engine_id: str) -> None:
+        # The engine keeps its most recent finished Sequences for inspection; the server has
+        # no use for them once the end event is out, so it drops them at once.
+        # Safe once the request is finished: step() only looks up ids it sampled this step.
+        self.engine.seqs.pop(engine_id, None)

@@ -1,0 +1,79 @@
+"""Prometheus metrics of one server (its own registry, so several servers can live in one
+process, e.g. in tests), served by prometheus-client's HTTP server.
+
+Writers: the event loop (requests by outcome, queue depth, sessions) and the engine
+thread (tokens, latencies, KV pages, integrity); prometheus-client metrics are thread-safe.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+
+# Latency buckets from sub-millisecond decode steps on a GPU to multi-second CPU prefills.
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class ServerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "jaxserve_requests", "Finished generation requests by RPC and outcome (finish reason or status code)",
+            ["rpc", "outcome"], registry=r,
+        )
+        self.prompt_tokens = Counter("jaxserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.completion_tokens = Counter("jaxserve_completion_tokens", "Generated tokens", registry=r)
+        self.cached_tokens = Counter("jaxserve_cached_tokens", "Prompt tokens served from the prefix cache", registry=r)
+        self.ttft = Histogram("jaxserve_time_to_first_token_seconds", "Arrival at the server to first token",
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("jaxserve_inter_token_latency_seconds", "Time between consecutive token deltas",
+                             buckets=_LATENCY, registry=r)
+        self.e2e = Histogram("jaxserve_request_duration_seconds", "Arrival to finish", buckets=_LATENCY, registry=r)
+        self.queue_depth = Gauge("jaxserve_queue_depth", "Accepted requests not yet admitted by the scheduler",
+                                 registry=r)
+        self.running = Gauge("jaxserve_running_requests", "Requests holding KV pages", registry=r)
+        self.active_sessions = Gauge("jaxserve_active_sessions", "Distinct session ids with requests in flight",
+                                     registry=r)
+        self.session_requests = Counter("jaxserve_session_requests", "Requests that carried a session id",
+                                        registry=r)
+        self.kv_used = Gauge("jaxserve_kv_pages_used", "KV pages owned by requests", registry=r)
+        self.kv_free = Gauge("jaxserve_kv_pages_free", "KV pages free or evictable (prefix cache)", registry=r)
+        self.kv_total = Gauge("jaxserve_kv_pages_total", "Usable KV pages (null page excluded)", registry=r)
+        self.integrity_checks = Counter("jaxserve_integrity_checks", "Page tracker checks run (one per program)",
+                                        registry=r)
+        self.integrity_rows = Counter("jaxserve_integrity_rows_checked", "Request rows checked", registry=r)
+        self.integrity_mismatches = Counter("jaxserve_integrity_mismatches", "Rows that failed the check, by cause",
+                                            ["cause"], registry=r)
+        self.engine_errors = Counter("jaxserve_engine_step_errors", "Unexpected exceptions in engine.step()",
+                                     registry=r)
+        self.compiles_after_warmup = Gauge("jaxserve_compiles_after_warmup",
+                                           "Serving programs compiled after warm-up (should stay 0)", registry=r)
+        self.serving = Gauge("jaxserve_serving", "1 when warmed up and accepting requests", registry=r)
+        self.info = Info("jaxserve_model", "The served model and its formats", registry=r)
+        for cause in ("stale_generation", "out_of_range_page", "page_not_owned"):
+            self.integrity_mismatches.labels(cause)  # export zeros, so rate() works from the start
+        self._seen_mismatches: dict[str, int] = {}
+        self._seen_checks = 0
+        self._seen_rows = 0
+
+    def sync_engine(self, engine) -> None:
+        """Engine thread, after each step: KV gauges and integrity counters (as deltas)."""
+        bm = engine.bm
+        self.kv_used.set(bm.num_used_pages)
+        self.kv_free.set(bm.num_free_pages)
+        self.kv_total.set(bm.num_pages - 1)
+        self.running.set(len(engine.scheduler.running))
+        self.compiles_after_warmup.set(engine.runner.compiles_after_warmup)
+        st = engine.stats
+        if st.checks_run != self._seen_checks:
+            self.integrity_checks.inc(st.checks_run - self._seen_checks)
+            self.integrity_rows.inc(st.rows_checked - self._seen_rows)
+            self._seen_checks, self._seen_rows = st.checks_run, st.rows_checked
+        for cause, n in st.mismatches_by_cause.items():
+            seen = self._seen_mismatches.get(cause, 0)
+            if n != seen:
+                self.integrity_mismatches.labels(cause).inc(n - seen)
+                self._seen_mismatches[cause] = n
+
+    def serve_http(self, port: int, host: str = "127.0.0.1"):
+        """Start the /metrics HTTP server (port 0 = ephemeral) -> (server, thread, bound port)."""
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        return server, thread, server.server_address[1]

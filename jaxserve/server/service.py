@@ -1,0 +1,234 @@
+"""The ``jaxserve.v1.JaxServe`` servicer (grpc.aio): validation, streams, errors, accounting.
+
+Handlers run on the event loop and never touch the engine: they validate the request,
+register a ``RequestStream`` and hand it to the engine thread (``EngineLoop.submit``), then
+relay its events. Whatever way a generation RPC ends (finished, error, cancelled by the
+client, deadline expired), ``_close`` runs: it aborts the request through the engine thread
+if it is still running (freeing its pages at once), and counts the outcome.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import time
+import uuid
+
+import grpc
+
+from jaxserve.server import convert, errors
+from jaxserve.server.engine_loop import EngineLoop, RequestStream
+from jaxserve.server.errors import ServeError
+from jaxserve.v1 import jaxserve_pb2 as pb
+from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger("jaxserve.server")
+
+SESSION_HEADER = "x-session-affinity"
+REPLICA_HEADER = "x-jaxserve-replica"
+
+
+def _unary_errors(handler):
+    """Map ServeError to its status and anything unexpected to INTERNAL (the server lives on)."""
+
+    @functools.wraps(handler)
+    async def wrapped(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except ServeError as e:
+            await context.abort(e.code, e.message, e.trailing_metadata())
+        except Exception as e:
+            log.exception("%s failed", handler.__name__)
+            err = errors.internal(e)
+            await context.abort(err.code, err.message)
+
+    return wrapped
+
+
+class JaxServeService(pb_grpc.JaxServeServicer):
+    def __init__(self, llm, engine_loop: EngineLoop, metrics, info: pb.ModelInfo, max_waiting: int):
+        self.llm = llm
+        self.engine_loop = engine_loop
+        self.metrics = metrics
+        self.info = info
+        self.max_waiting = max_waiting
+        self.phase = "warming up"  # -> "serving" -> "draining"; or "failed"
+        self.active: dict[str, RequestStream] = {}  # client request id -> stream
+        self._seq = itertools.count()
+
+    # ------------------------------------------------------------------ generation
+    async def Generate(self, request, context):
+        stream, outcome, closed = None, "internal", False
+        try:
+            stream = await self._open(request, context)
+            ids, text = [], []
+            async for ev in stream.events():
+                if ev[0] == "delta":
+                    ids += ev[1]
+                    text.append(ev[2])
+                elif ev[0] in ("end", "error"):
+                    reason, usage, ttft, total = self._terminal(ev)
+            outcome = reason
+            return pb.GenerateResponse(
+                request_id=stream.request_id, session_id=stream.session_id, token_ids=ids, text="".join(text),
+                finish_reason=convert.FINISH_REASONS[reason], usage=convert.usage(usage),
+                timing=convert.timing(ttft, total),
+            )
+        except ServeError as e:
+            outcome = e.outcome
+            closed = self._close(stream, "Generate", outcome)  # counted before the client sees the status
+            await context.abort(e.code, e.message, e.trailing_metadata())
+        except asyncio.CancelledError:
+            outcome = self._cancel_outcome(context)
+            raise
+        except Exception as e:
+            log.exception("Generate failed")
+            closed = self._close(stream, "Generate", "internal")
+            await context.abort(grpc.StatusCode.INTERNAL, errors.internal(e).message)
+        finally:
+            if not closed:
+                self._close(stream, "Generate", outcome)
+
+    async def GenerateStream(self, request, context):
+        stream, outcome, closed = None, "internal", False
+        try:
+            stream = await self._open(request, context)
+            async for ev in stream.events():
+                if ev[0] == "start":
+                    yield pb.GenerateStreamResponse(start=pb.StreamStart(
+                        request_id=stream.request_id, session_id=stream.session_id,
+                        prompt_tokens=ev[1], cached_tokens=ev[2]))
+                elif ev[0] == "delta":
+                    yield pb.GenerateStreamResponse(delta=pb.TokenDelta(token_ids=ev[1], text=ev[2]))
+                else:
+                    reason, usage, ttft, total = self._terminal(ev)
+                    outcome = reason
+                    yield pb.GenerateStreamResponse(end=pb.StreamEnd(
+                        finish_reason=convert.FINISH_REASONS[reason], usage=convert.usage(usage),
+                        timing=convert.timing(ttft, total)))
+        except ServeError as e:
+            outcome = e.outcome
+            closed = self._close(stream, "GenerateStream", outcome)  # counted before the client sees the status
+            await context.abort(e.code, e.message, e.trailing_metadata())
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = self._cancel_outcome(context)
+            raise
+        except Exception as e:
+            log.exception("GenerateStream failed")
+            closed = self._close(stream, "GenerateStream", "internal")
+            await context.abort(grpc.StatusCode.INTERNAL, errors.internal(e).message)
+        finally:
+            if not closed:
+                self._close(stream, "GenerateStream", outcome)
+
+    async def _open(self, req: pb.GenerateRequest, context) -> RequestStream:
+        """Validate and submit; raises ServeError (nothing is submitted then)."""
+        arrival = time.perf_counter()
+        if self.phase != "serving":
+            raise errors.unavailable(self.phase)
+        params = convert.sampling_params(req)
+        if req.WhichOneof("prompt") == "text":  # tokenizing a long text must not stall the loop
+            ids = await asyncio.to_thread(convert.prompt_ids, req, self.llm.tokenizer)
+        else:
+            ids = convert.prompt_ids(req, self.llm.tokenizer)
+        headers = {k: v for k, v in (context.invocation_metadata() or ())}
+        session = req.session_id or str(headers.get(SESSION_HEADER, ""))
+        rid = req.request_id or f"req-{uuid.uuid4().hex}"
+        md = [(REPLICA_HEADER, self.info.replica_id), ("x-request-id", rid)]
+        if session:
+            md.append((SESSION_HEADER, session))
+        await context.send_initial_metadata(tuple(md))
+        if self.phase != "serving":  # it may have changed during the awaits above
+            raise errors.unavailable(self.phase)
+        if rid in self.active:
+            raise errors.already_exists(rid)
+        waiting = self.engine_loop.waiting
+        if waiting >= self.max_waiting:
+            # Roughly the time for the running batch to turn over once.
+            hint = self.engine_loop.recent_duration_s * max(1, waiting) / max(1, self.info.max_num_seqs)
+            raise errors.queue_full(waiting, self.max_waiting, min(max(hint, 0.05), 30.0))
+        # From here to submit() there is no await: the id check and the registration are atomic.
+        stream = RequestStream(rid, f"{rid}#{next(self._seq)}", session, arrival)
+        self.active[rid] = stream
+        if session:
+            self.metrics.session_requests.inc()
+        self._update_sessions()
+        self.engine_loop.submit(stream, ids, params)
+        return stream
+
+    @staticmethod
+    def _terminal(ev):
+        """A terminal event -> (reason, usage, ttft, total), or the ServeError it stands for."""
+        if ev[0] == "error":
+            raise errors.from_exception(ev[1])
+        _, reason, usage, ttft, total, error = ev
+        if error is not None:  # the page tracker failed this request closed
+            raise errors.integrity_aborted(error)
+        return reason, usage, ttft, total
+
+    @staticmethod
+    def _cancel_outcome(context) -> str:
+        # The client's own deadline timer usually cancels the call a moment before the
+        # server's fires, so "expired" allows a little slack.
+        remaining = context.time_remaining()
+        return "deadline_exceeded" if remaining is not None and remaining < 0.05 else "cancelled"
+
+    def _close(self, stream: RequestStream | None, rpc: str, outcome: str) -> bool:
+        """Once per generation RPC: abort it if still running, count and log the outcome."""
+        if stream is not None:
+            if self.active.get(stream.request_id) is stream:
+                del self.active[stream.request_id]
+            if not stream.done:  # cancelled, expired or failed mid-way: free its pages now
+                self.engine_loop.abort(stream.engine_id)
+            self._update_sessions()
+        self.metrics.requests.labels(rpc, outcome).inc()
+        log.info("%s request=%s session=%s outcome=%s", rpc, stream.request_id if stream else "-",
+                 (stream.session_id or "-") if stream else "-", outcome)
+        return True
+
+    def _update_sessions(self) -> None:
+        self.metrics.active_sessions.set(len({s.session_id for s in self.active.values() if s.session_id}))
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no generation is in flight (for a graceful drain); False on timeout."""
+        end = time.monotonic() + timeout
+        while self.active and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        return not self.active
+
+    # ------------------------------------------------------------------ other RPCs
+    @_unary_errors
+    async def Tokenize(self, request, context):
+        add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        ids = await asyncio.to_thread(convert.encode_text, self.llm.tokenizer, request.text,
+                                      request.apply_chat_template, add)
+        return pb.TokenizeResponse(token_ids=ids)
+
+    @_unary_errors
+    async def Detokenize(self, request, context):
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        text = await asyncio.to_thread(convert.decode_ids, self.llm.tokenizer, list(request.token_ids),
+                                       self.info.vocab_size, skip)
+        return pb.DetokenizeResponse(text=text)
+
+    @_unary_errors
+    async def GetModelInfo(self, request, context):
+        info = pb.ModelInfo()
+        info.CopyFrom(self.info)
+        total, used, free = self.engine_loop.kv_pages
+        info.kv_pages.CopyFrom(pb.KvPages(total=total, used=used, free=free))
+        return info
+
+    @_unary_errors
+    async def Abort(self, request, context):
+        aborted, not_found, pending = [], [], []
+        for rid in dict.fromkeys(request.request_ids):  # each id once, order kept
+            stream = self.active.get(rid)
+            if stream is None:
+                not_found.append(rid)
+            else:
+                pending.append((rid, asyncio.wrap_future(self.engine_loop.abort(stream.engine_id))))
+        for rid, fut in pending:
+            (aborted if await fut else not_found).append(rid)
+        return pb.AbortResponse(aborted=aborted, not_found=not_found)

@@ -1,0 +1,151 @@
+"""One real gRPC server for the whole directory: a tiny text model on 127.0.0.1, an
+ephemeral port, an in-process grpc.aio server on its own thread (``ServerThread``).
+
+Before serving, the same LLM computes the expected completions of every case with the
+Python API (``llm.generate``); the server must then give exactly those tokens. Warm-up is
+held on a gate until the fixture has observed the not-yet-warm server (health NOT_SERVING,
+Generate UNAVAILABLE), so that observation is deterministic.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from jaxserve.engine.sampling_params import SamplingParams
+
+from .tiny_model import build_tiny_text_model
+
+ENGINE = dict(kv_format="float32", num_pages=64, page_size=8, max_num_seqs=8, max_prefill_seqs=2,
+              prefill_chunk=32, max_num_batched_tokens=64, max_model_len=256)
+MAX_WAITING = 16
+IDS_A = [312, 4093, 198, 1115, 27, 9804, 351, 17, 2032, 4110, 36, 720, 5, 87, 1501, 6612, 198, 42, 77, 908]
+IDS_B = [28, 9, 17012, 4422, 91, 118, 3, 4490, 6]
+
+# name -> (prompt, build_request keyword arguments); the same keywords make the SamplingParams.
+CASES = {
+    "ids_greedy": (IDS_A, dict(max_tokens=12, ignore_eos=True)),
+    "text_greedy": ("The capital of France is", dict(max_tokens=10)),
+    "chat_template": ("What is two plus two?", dict(max_tokens=10, chat_template=True)),
+    "sampled": (IDS_B, dict(max_tokens=12, temperature=0.8, top_k=50, top_p=0.9, seed=7, ignore_eos=True)),
+    "min_p": (IDS_B, dict(max_tokens=10, temperature=1.3, min_p=0.05, seed=11, ignore_eos=True)),
+    "penalties": (IDS_A[:13], dict(max_tokens=12, repetition_penalty=1.3, presence_penalty=0.5,
+                                   frequency_penalty=0.4, ignore_eos=True)),
+}
+
+
+def sampling_params(kw) -> SamplingParams:
+    kw = {k: v for k, v in kw.items() if k not in ("chat_template", "session_id", "request_id")}
+    for k in ("stop", "stop_token_ids"):
+        if k in kw:
+            kw[k] = tuple(kw[k])
+    return SamplingParams(**kw)
+
+
+def expected_completion(llm, prompt, kw):
+    if kw.get("chat_template"):
+        prompt = llm.apply_chat_template(prompt)
+    return llm.generate([prompt], sampling_params(kw))[0]
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model(tmp_path_factory):
+    return build_tiny_text_model(tmp_path_factory.mktemp("tiny_text_llama"))
+
+
+@pytest.fixture(scope="session")
+def llm(tiny_text_model):
+    from jaxserve import LLM
+
+    return LLM(tiny_text_model, **ENGINE)
+
+
+@pytest.fixture(scope="session")
+def cases(llm):
+    """name -> (prompt, kwargs, expected Completion), computed before the server owns the engine."""
+    out = {name: (p, kw, expected_completion(llm, p, kw)) for name, (p, kw) in CASES.items()}
+    greedy = out["ids_greedy"][2]
+    # Stop criteria derived from a known output, so they are sure to fire mid-generation.
+    stop_tok = dict(max_tokens=12, ignore_eos=True, stop_token_ids=[greedy[4]])
+    text = out["text_greedy"][2].text
+    stop_str = dict(max_tokens=10, stop=[text[len(text) // 2:len(text) // 2 + 3]])
+    for name, prompt, kw in (("stop_token", IDS_A, stop_tok), ("stop_string", "The capital of France is", stop_str)):
+        out[name] = (prompt, kw, expected_completion(llm, prompt, kw))
+    assert out["stop_token"][2].finish_reason == "stop" and out["stop_string"][2].finish_reason == "stop"
+    return out
+
+
+@dataclasses.dataclass
+class Served:
+    thread: object  # ServerThread
+    client: object  # jaxserve.client.Client
+    boot: dict  # what the fixture saw before and after warm-up
+
+    @property
+    def server(self):
+        return self.thread.server
+
+    @property
+    def target(self) -> str:
+        return self.thread.target
+
+    def metrics(self) -> dict:
+        return scrape(self.server.metrics_port)
+
+    def kv(self):
+        return self.client.model_info().kv_pages
+
+
+@pytest.fixture(scope="session")
+def served(llm, cases):
+    from jaxserve.client import Client
+    from jaxserve.server.app import ServerThread
+
+    gate, real_warmup = threading.Event(), llm.engine.warmup
+    llm.engine.warmup = lambda: (gate.wait(120), real_warmup())
+    st = ServerThread(llm, max_waiting=MAX_WAITING, replica_id="test-replica").start()
+    client = Client(st.target, timeout=60)
+    boot = {"health": client.health(), "service_health": client.health("jaxserve.v1.JaxServe")}
+    try:
+        client.generate([5, 6, 7], max_tokens=2)
+        boot["generate"] = grpc.StatusCode.OK
+    except grpc.RpcError as e:
+        boot["generate"] = e.code()
+    boot["info_while_warming"] = client.model_info().architecture  # metadata works before SERVING
+    gate.set()
+    st.wait_ready()
+    del llm.engine.warmup
+    boot["health_after"] = client.health()
+    yield Served(st, client, boot)
+    client.close()
+    st.stop()
+
+
+def scrape(port: int) -> dict:
+    """/metrics -> {(sample name, (sorted label items)): value}."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def metric(m: dict, name: str, **labels) -> float:
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def eventually(fn, timeout: float = 5.0):
+    """fn() until truthy (returned) or timeout (last value returned): for effects that
+    happen after the client has seen its answer (a cancel travels to the server)."""
+    end = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value or time.monotonic() > end:
+            return value
+        time.sleep(0.01)

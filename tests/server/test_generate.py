@@ -1,0 +1,120 @@
+"""Generation over gRPC gives exactly what the Python API gives (unary, streaming, many at
+once), with usage, cached tokens, ids, sessions, tokenizer RPCs and model info."""
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from jaxserve.client import finish_reason
+
+from .conftest import CASES, IDS_A
+
+
+def collect_stream(client, prompt, **kw):
+    """-> (start, token ids, text, end) of one GenerateStream call."""
+    start, ids, text, end = None, [], [], None
+    for i, ev in enumerate(client.generate_stream(prompt, **kw)):
+        kind = ev.WhichOneof("event")
+        if kind == "start":
+            assert i == 0 and start is None
+            start = ev.start
+        elif kind == "delta":
+            assert start is not None and end is None
+            ids += ev.delta.token_ids
+            text.append(ev.delta.text)
+        else:
+            assert end is None
+            end = ev.end
+    assert start is not None and end is not None
+    return start, ids, "".join(text), end
+
+
+@pytest.mark.parametrize("name", list(CASES) + ["stop_token", "stop_string"])
+def test_unary_and_stream_give_the_python_api_tokens(served, cases, name):
+    prompt, kw, want = cases[name]
+    r = served.client.generate(prompt, **kw)
+    assert list(r.token_ids) == list(want)
+    assert r.text == want.text
+    assert finish_reason(r) == want.finish_reason
+    assert r.usage.prompt_tokens == want.usage.prompt_tokens
+    assert r.usage.completion_tokens == len(want)
+    start, ids, text, end = collect_stream(served.client, prompt, **kw)
+    assert ids == list(want) and text == want.text
+    assert finish_reason(end) == want.finish_reason
+    assert start.prompt_tokens == end.usage.prompt_tokens == want.usage.prompt_tokens
+    assert end.usage.completion_tokens == len(want)
+    assert end.timing.HasField("time_to_first_token_s") and 0 < end.timing.time_to_first_token_s <= end.timing.total_s
+
+
+def test_concurrent_requests_give_the_same_tokens(served, cases):
+    names = list(cases) * 2  # 16 requests (= MAX_WAITING) against max_num_seqs=8: batching and admission
+
+    def run(i_name):
+        i, name = i_name
+        prompt, kw, _ = cases[name]
+        if i % 2:
+            return name, collect_stream(served.client, prompt, **kw)[1]
+        return name, list(served.client.generate(prompt, **kw).token_ids)
+
+    with ThreadPoolExecutor(16) as pool:
+        for name, ids in pool.map(run, enumerate(names)):
+            assert ids == list(cases[name][2]), name
+    assert served.kv().used == 0
+
+
+def test_cached_tokens_are_reported_at_start_and_end(served):
+    prompt = IDS_A + [11, 12, 13, 14]  # 24 tokens: 2 full pages can come from the prefix cache
+    served.client.generate(prompt, max_tokens=3, ignore_eos=True)
+    start, _, _, end = collect_stream(served.client, prompt, max_tokens=3, ignore_eos=True)
+    assert start.cached_tokens == end.usage.cached_tokens == (len(prompt) - 1) // 8 * 8 == 16
+    assert end.usage.prompt_tokens == len(prompt)
+
+
+def test_request_ids_are_generated_or_kept(served):
+    a = served.client.generate([5, 6, 7], max_tokens=2)
+    b = served.client.generate([5, 6, 7], max_tokens=2)
+    assert a.request_id and b.request_id and a.request_id != b.request_id
+    c = served.client.generate([5, 6, 7], max_tokens=2, request_id="mine-1")
+    assert c.request_id == "mine-1"
+    start, *_ = collect_stream(served.client, [5, 6, 7], max_tokens=2, request_id="mine-1")  # reusable when done
+    assert start.request_id == "mine-1"
+
+
+def test_session_id_from_field_or_header_is_echoed(served):
+    stub = served.client.stub
+    from jaxserve.client import build_request
+
+    r, call = stub.Generate.with_call(build_request([5, 6], max_tokens=2), metadata=(("x-session-affinity", "s-hdr"),))
+    assert r.session_id == "s-hdr"
+    md = dict(call.initial_metadata())
+    assert md["x-session-affinity"] == "s-hdr" and md["x-jaxserve-replica"] == "test-replica"
+    assert md["x-request-id"] == r.request_id
+    r = served.client.generate([5, 6], max_tokens=2, session_id="s-field", session_header="s-hdr")
+    assert r.session_id == "s-field"  # the field wins over the header
+    start, *_ = collect_stream(served.client, [5, 6], max_tokens=2, session_id="s-stream")
+    assert start.session_id == "s-stream"
+
+
+def test_tokenize_and_detokenize_match_the_tokenizer(served, llm):
+    text = "The capital of France is Paris."
+    ids = served.client.tokenize(text)
+    assert ids == llm.tokenizer.encode(text)
+    assert served.client.detokenize(ids) == llm.tokenizer.decode(ids)
+    chat = served.client.tokenize("hi", chat_template=True)
+    assert chat == llm.tokenizer.encode(llm.apply_chat_template("hi"))
+
+
+def test_model_info_reports_formats_pool_and_fingerprint(served, llm):
+    from jaxserve.server.convert import fingerprint, phase_formats
+
+    info = served.client.model_info()
+    assert info.architecture == "LlamaForCausalLM" and info.dtype == "float32"
+    assert (info.prefill.weights, info.decode.weights) == ("float32", "float32")
+    assert (info.prefill.kv_cache, info.decode.kv_cache) == ("float32", "float32")
+    assert (info.page_size, info.num_pages, info.max_context) == (8, 64, 256)
+    assert info.vocab_size == 49152 and info.has_tokenizer and list(info.eos_token_ids) == [2]
+    assert info.kv_pages.total == 63 and info.kv_pages.used == 0
+    assert info.replica_id == "test-replica" and info.max_waiting > 0 and info.integrity_check
+    assert len(info.fingerprint) == 64
+    assert info.fingerprint == fingerprint(llm.runner.params, phase_formats(llm))
+    other = dict(phase_formats(llm), decode={"weights": "int4_g128", "kv_cache": "fp8_e4m3"})
+    assert fingerprint(llm.runner.params, other) != info.fingerprint  # formats are part of it
