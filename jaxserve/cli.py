@@ -114,8 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxserve.checkpoint.convert import register as add_convert
     from jaxserve.planner.cli import register as add_plan
 
+    from jaxserve.bench.offline import register as add_bench
+    from jaxserve.experiments.cli import register as add_experiment
     from jaxserve.server.cli import register_client, register_serve
 
+    add_bench(sub)
+    add_experiment(sub)
     add_plan(sub)
     add_convert(sub)
     register_serve(sub)

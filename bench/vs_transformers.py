@@ -1,0 +1,201 @@
+"""jaxserve vs Hugging Face transformers ``generate`` on the same model, prompts and output
+lengths, side by side in one run.
+
+Both run the same checkpoint in float32 (default: the embedded SmolLM2-135M-Instruct), greedy,
+EOS ignored (transformers: ``min_new_tokens = max_new_tokens``), so both produce exactly
+batch x output-len tokens. At each batch size (default 1 and 32): one untimed call of each
+(warm-up: jaxserve compiles the shapes this batch needs; torch warms its kernels), then
+``--reps`` timed repetitions interleaved A B C, C B A, ... so machine noise hits all alike.
+Each call's tokens/s = output tokens / wall time of the whole call (prefill included).
+
+transformers runs at several torch thread counts (default: torch's own, one per core, and 1):
+on a shared machine, torch's OpenMP threads can stall badly when another process holds a core,
+so the ratio is taken against transformers' fastest setting. Reported: the median tokens/s
+of each side, jaxserve / best transformers (ratio of medians, and the median of the
+per-repetition ratios), and the greedy token agreement between the two.
+
+transformers gets one ``generate`` call over the whole batch with left padding and an
+attention mask (its batched path); jaxserve gets the batch through ``LLM.generate`` with
+max_num_seqs >= batch, prefix caching off (a repetition must not reuse the previous one's KV).
+
+    .venv/bin/python bench/vs_transformers.py --json bench/results/vs_transformers.json
+    .venv/bin/python bench/vs_transformers.py --batches 1,8,32 --output-len 64 --reps 5
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="HF-format checkpoint dir (default: embedded SmolLM2)")
+    ap.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=(32, 96), metavar=("MIN", "MAX"),
+                    help="prompt lengths, uniform per request (random token ids)")
+    ap.add_argument("--output-len", type=int, default=64, help="new tokens per request (both sides)")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per side and batch")
+    ap.add_argument("--kv-format", default="float32", help="jaxserve KV pages: float32 (as transformers) | bf16 | fp8_e4m3")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-prefill-seqs", type=int, default=8)
+    ap.add_argument("--prefill-chunk", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--no-integrity-check", action="store_true")
+    ap.add_argument("--torch-threads", default="0,1",
+                    help="transformers is run at each of these torch thread counts (0 = torch's default, "
+                         "one per core); the ratio is taken against the fastest")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    return ap.parse_args(argv)
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """Greedy agreement of two runs over the same prompts: tokens equal position by position,
+    the fraction of each output before the first difference, and whole outputs equal."""
+    same = total = 0
+    prefix = []
+    for x, y in zip(a, b):
+        n = min(len(x), len(y))
+        same += sum(int(p == q) for p, q in zip(x, y))
+        total += max(len(x), len(y))
+        first = next((i for i in range(n) if x[i] != y[i]), n)
+        prefix.append(first / max(len(x), len(y), 1))
+    return dict(
+        token_match=same / max(total, 1),
+        mean_prefix_match=float(np.mean(prefix)),
+        identical_outputs=sum(int(list(x) == list(y)) for x, y in zip(a, b)),
+        outputs=len(a),
+    )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from jaxserve import LLM
+    from jaxserve.bench.measure import CompileWatch, machine_info, median, write_json
+    from jaxserve.bench.offline import fitted_max_model_len
+    from jaxserve.bench.workload import make_workload
+    from jaxserve.cli import _enable_compile_cache
+    from jaxserve.engine.sampling_params import SamplingParams
+
+    _enable_compile_cache()
+    default_threads = torch.get_num_threads()
+    thread_counts = list(dict.fromkeys(int(t) or default_threads for t in args.torch_threads.split(",")))
+    if args.model is None:
+        from jaxserve.checkpoint.gguf import default_model_dir
+
+        args.model = str(default_model_dir())
+    batches = [int(b) for b in args.batches.split(",")]
+    n_out = args.output_len
+    max_len = fitted_max_model_len(args.prompt_len[1] + n_out, args.page_size)
+    pages_per_seq = -(-(args.prompt_len[1] + n_out) // args.page_size)
+    t0 = time.perf_counter()
+    llm = LLM(
+        args.model, dtype="float32", kv_format=args.kv_format, page_size=args.page_size,
+        num_pages=max(batches) * pages_per_seq + 1, max_num_seqs=max(batches), max_model_len=max_len,
+        max_prefill_seqs=args.max_prefill_seqs, prefill_chunk=args.prefill_chunk,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+        integrity_check=not args.no_integrity_check,
+    )
+    t1 = time.perf_counter()
+    hf = LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    t2 = time.perf_counter()
+    pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    print(f"loaded jaxserve in {t1 - t0:.1f}s, transformers in {t2 - t1:.1f}s; torch threads {thread_counts} "
+          f"(default {default_threads}), kv {llm.fmt.name}, machine load {os.getloadavg()[0]:.1f}", flush=True)
+    sp = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
+
+    def run_jaxserve(prompts):
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp)
+        dt = time.perf_counter() - t
+        assert all(len(o) == n_out for o in outs)
+        return dt, [list(o) for o in outs]
+
+    def run_transformers(prompts, threads):
+        torch.set_num_threads(threads)
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=n_out, min_new_tokens=n_out,
+                do_sample=False, pad_token_id=pad_id, top_p=None, top_k=None, temperature=None,
+            )
+        dt = time.perf_counter() - t
+        gen = out[:, width:].tolist()
+        assert all(len(g) == n_out for g in gen)
+        return dt, gen
+
+    sides = {"jaxserve": run_jaxserve}
+    for n in thread_counts:
+        sides[f"transformers_{n}t"] = lambda prompts, n=n: run_transformers(prompts, n)
+    hf_sides = [name for name in sides if name != "jaxserve"]
+    rows = []
+    for b in batches:
+        work = make_workload(b, tuple(args.prompt_len), (n_out, n_out), llm.cfg.vocab_size, seed=args.seed + b)
+        prompts = [r.prompt_ids for r in work]
+        warm = {name: fn(prompts) for name, fn in sides.items()}  # untimed: compile / warm up
+        times = {name: [] for name in sides}
+        outputs = {name: warm[name][1] for name in sides}
+        with CompileWatch() as compiles:
+            for rep in range(args.reps):
+                order = list(sides) if rep % 2 == 0 else list(sides)[::-1]  # A B C, C B A, ...
+                for name in order:
+                    dt, toks = sides[name](prompts)
+                    times[name].append(dt)
+                    if toks != outputs[name]:
+                        print(f"  note: {name} greedy output changed between repetitions", file=sys.stderr)
+        tokens = b * n_out
+        tps = {name: [tokens / t for t in ts] for name, ts in times.items()}
+        med = {name: median(v) for name, v in tps.items()}
+        best = max(hf_sides, key=lambda name: med[name])  # transformers at its best thread count
+        paired = [j / h for j, h in zip(tps["jaxserve"], tps[best])]
+        agree = agreement(outputs["jaxserve"], outputs[best])
+        row = dict(
+            batch=b, output_tokens_per_call=tokens,
+            prompt_tokens_per_call=sum(len(p) for p in prompts),
+            tok_s_median=med, tok_s_all=tps,
+            transformers_best=best,
+            ratio_vs_best_transformers=med["jaxserve"] / med[best],
+            ratio_vs_each={name: med["jaxserve"] / med[name] for name in hf_sides},
+            median_paired_ratio_vs_best=median(paired), paired_ratios_vs_best=paired,
+            warmup_s={name: w[0] for name, w in warm.items()},
+            compiles_during_timed_reps=compiles.count, agreement_vs_best=agree,
+            transformers_thread_counts_agree=all(outputs[h] == outputs[best] for h in hf_sides),
+        )
+        rows.append(row)
+        hf_txt = ", ".join(f"{name} {med[name]:.1f}" for name in hf_sides)
+        print(
+            f"batch {b:3d}: jaxserve {med['jaxserve']:.1f} tok/s | {hf_txt} tok/s | jaxserve / {best} "
+            f"{row['ratio_vs_best_transformers']:.2f}x (paired median {row['median_paired_ratio_vs_best']:.2f}x) | "
+            f"greedy agreement: tokens {agree['token_match']:.1%}, prefix {agree['mean_prefix_match']:.1%}, "
+            f"identical {agree['identical_outputs']}/{agree['outputs']} | compiles in timed reps {compiles.count}",
+            flush=True,
+        )
+    if args.json:
+        write_json(args.json, dict(
+            benchmark="vs_transformers", command=" ".join(["python"] + sys.argv), model=args.model,
+            config={k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
+            jaxserve_engine=dict(kv_format=llm.fmt.name, max_model_len=max_len, num_pages=llm.num_pages,
+                                 max_num_seqs=max(batches), prefix_caching=False,
+                                 integrity_check=not args.no_integrity_check),
+            torch=dict(version=torch.__version__, default_threads=default_threads, thread_counts=thread_counts),
+            transformers_version=__import__("transformers").__version__,
+            results=rows, machine=machine_info(),
+        ))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Where a decode step's time goes, at a given batch size and context.
+
+B requests with C-token prompts are brought to steady decoding; then, over --steps engine
+steps, each ``engine.step()`` is timed, and inside it the decode program (``runner.step``,
+blocked on its logits), so the host side (scheduling, input building, host-to-device copies,
+sampling, stop checks) is the difference. One decode program call is then replayed under the
+JAX profiler and its XLA ops are grouped by what they do, using the optimized HLO that XLA
+dumps at compile time (so this module compiles afresh: the persistent compile cache is off):
+
+- matmul: dots (projections, MLP, LM head), including fusions that contain one;
+- KV gather: ops that read pages through the page table (the paged context, dequantized);
+- KV write: scatters of the new token's K/V into pages;
+- attention math / norms / other: the rest.
+
+    python -m jaxserve.bench.decode_profile --batch 1 --batch 32 --json bench/results/decode_profile.json
+    python -m jaxserve.bench.decode_profile --batch 8 --max-model-len 0   # the engine's default page-table width
+
+Op times are summed over XLA's worker threads (CPU time) and shown as shares; the wall-clock
+attribution is each share times the program's measured time.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m jaxserve.bench.decode_profile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: the embedded SmolLM2)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--kv-format", default="bf16")
+    ap.add_argument("--batch", type=int, action="append", default=None, help="repeat for several (default 1 and 32)")
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")
+    ap.add_argument("--steps", type=int, default=8, help="timed decode steps")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="default: context + steps + warm-up, fitted to a power-of-two page count; 0 = engine default")
+    ap.add_argument("--no-integrity-check", action="store_true")
+    ap.add_argument("--json", default=None)
+    return ap.parse_args(argv)
+
+
+# ---------------------------------------------------------------------- HLO op classes
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+
+
+def parse_hlo_ops(text: str) -> dict[str, str]:
+    """Optimized HLO module text -> {instruction name: category}."""
+    bodies: dict[str, list[str]] = {}
+    current = None
+    entry_lines: list[str] = []
+    for line in text.splitlines():
+        head = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if head and not line.startswith(" "):
+            current = "ENTRY" if head.group(1) else head.group(2)
+            bodies[current] = []
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        if current is not None:
+            bodies[current].append(line)
+            if current == "ENTRY":
+                entry_lines.append(line)
+
+    def text_of(name: str, depth: int = 0) -> str:
+        lines = bodies.get(name, [])
+        out = "\n".join(lines)
+        if depth < 3:  # nested fusions / wrapped computations
+            for callee in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", out):
+                out += "\n" + text_of(callee, depth + 1)
+        return out
+
+    cats = {}
+    for line in bodies.get("ENTRY", []):
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, rhs = m.groups()
+        callee = re.search(r"calls=%?([\w.\-]+)", rhs)
+        body = rhs + ("\n" + text_of(callee.group(1)) if callee else "")
+        cats[name] = classify(name, body)
+    return cats
+
+
+def classify(name: str, body: str) -> str:
+    if name.startswith(("dot", "ynn_fusion", "onednn")) or " dot(" in body or "__onednn$matmul" in body:
+        return "matmul"
+    if "scatter(" in body or name.startswith(("scatter", "wrapped_scatter")):
+        return "KV write (scatter)"
+    if "page_table" in body or " gather(" in body:
+        return "KV gather (page table)"
+    if "exponential(" in body or "rsqrt(" in body or " reduce(" in body:
+        return "attention softmax / norms"
+    return "other (elementwise, copies)"
+
+
+def load_trace_ops(trace_dir: str) -> dict[str, float]:
+    """{op name: summed microseconds} of XLA op events in the newest trace under trace_dir."""
+    files = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz")))
+    if not files:
+        return {}
+    with gzip.open(files[-1]) as f:
+        events = json.load(f)["traceEvents"]
+    ops: dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        args = e.get("args") or {}
+        if e.get("ph") == "X" and "hlo_op" in args and args.get("hlo_module", "").startswith("jit_step"):
+            ops[args["hlo_op"]] += e.get("dur", 0.0)
+    return ops
+
+
+def newest_dump(dump_dir: str, pattern: str) -> str | None:
+    files = sorted(glob.glob(os.path.join(dump_dir, pattern)), key=os.path.getmtime)
+    return files[-1] if files else None
+
+
+# ---------------------------------------------------------------------- measuring
+def profile_batch(args, batch: int, dump_dir: str) -> dict:
+    import jax
+    import numpy as np
+
+    from jaxserve import LLM
+    from jaxserve.bench.measure import median
+    from jaxserve.bench.offline import fitted_max_model_len
+    from jaxserve.bench.workload import make_workload
+    from jaxserve.engine.sampling_params import SamplingParams
+
+    total = args.context + 2 * args.steps + 8
+    max_len = fitted_max_model_len(total, args.page_size) if args.max_model_len is None else (args.max_model_len or None)
+    llm = LLM(args.model, dtype=args.dtype, kv_format=args.kv_format, page_size=args.page_size,
+              num_pages=batch * -(-total // args.page_size) + 2, max_num_seqs=batch, max_prefill_seqs=min(batch, 8),
+              prefill_chunk=128, max_num_batched_tokens=1024, max_model_len=max_len,
+              enable_prefix_caching=False, integrity_check=not args.no_integrity_check)
+    engine, runner = llm.engine, llm.runner
+    work = make_workload(batch, (args.context, args.context), (1, 1), llm.cfg.vocab_size, seed=batch)
+    sp = SamplingParams(max_tokens=total - args.context, ignore_eos=True)
+    program, last = [], {}
+    original = runner.step
+
+    def timed(phase, *a, **kw):
+        t = time.perf_counter()
+        res = original(phase, *a, **kw)
+        res.logits.block_until_ready()
+        if phase == "decode":
+            program.append(time.perf_counter() - t)
+            last["args"] = (phase, *a)
+        return res
+
+    runner.step = timed
+    try:
+        for r in work:
+            engine.add_request(r.prompt_ids, sp)
+        while any(not s.output_ids for s in list(engine.scheduler.running) + list(engine.scheduler.waiting)):
+            engine.step()  # prefill (and the first decode steps, which compile)
+        for _ in range(2):
+            engine.step()
+        program.clear()
+        steps = []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - t)
+        trace_dir = tempfile.mkdtemp(prefix="jaxserve_trace_")
+        jax.profiler.start_trace(trace_dir)
+        for _ in range(3):
+            original(*last["args"]).logits.block_until_ready()
+        jax.profiler.stop_trace()
+    finally:
+        del runner.step
+        for rid, s in list(engine.seqs.items()):
+            engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()
+    step_s, prog_s = median(steps), median(program)
+    ops = load_trace_ops(trace_dir)
+    hlo_file = newest_dump(dump_dir, "*jit_step*after_optimizations.txt")
+    cats = parse_hlo_ops(open(hlo_file).read()) if hlo_file else {}
+    by_cat: dict[str, float] = collections.defaultdict(float)
+    for op, us in ops.items():
+        by_cat[cats.get(op, classify(op, ""))] += us
+    op_total = sum(by_cat.values()) or 1.0
+    top_ops = sorted(ops.items(), key=lambda kv: -kv[1])[:8]
+    return dict(
+        batch=batch, context=args.context, dtype=args.dtype, kv_format=llm.fmt.name,
+        max_model_len=engine.max_model_len, page_table_width=runner.max_pages_per_seq,
+        engine_step_s=step_s, decode_program_s=prog_s, host_s=step_s - prog_s,
+        decode_tok_s=batch / step_s,
+        program_shares={k: v / op_total for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+        program_ms_by_category={k: v / op_total * prog_s * 1e3 for k, v in by_cat.items()},
+        top_ops=[dict(op=op, category=cats.get(op, classify(op, "")), share=us / op_total) for op, us in top_ops],
+        trace_dir=trace_dir, hlo_dump=hlo_file,
+        kv_gathered_mb_per_step=_gathered_mb(llm, batch),
+    )
+
+
+def _gathered_mb(llm, batch: int) -> float:
+    """MB of KV pages the decode program gathers per step (the page table's whole width)."""
+    slots = llm.runner.max_pages_per_seq * llm.page_size
+    per_slot = sum(p.nbytes for layer in llm.runner.kv for p in layer.values()) / (llm.num_pages * llm.page_size)
+    return batch * slots * per_slot / 1e6
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    dump_dir = tempfile.mkdtemp(prefix="jaxserve_hlo_")
+    if "jax" in sys.modules:
+        print("note: jax already imported; the XLA dump flags may not apply", file=sys.stderr)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_dump_to={dump_dir} --xla_dump_hlo_as_text"
+                               " --xla_dump_hlo_module_re=.*jit_step.*").strip()
+    from jaxserve.bench.measure import format_table, machine_info, write_json
+
+    if args.model is None:
+        from jaxserve.checkpoint.gguf import default_model_dir
+
+        args.model = str(default_model_dir())
+    results = []
+    for b in args.batch or [1, 32]:
+        r = profile_batch(args, b, dump_dir)
+        results.append(r)
+        rows = [
+            ("engine.step()", f"{r['engine_step_s'] * 1e3:.1f} ms ({r['decode_tok_s']:.1f} tok/s)"),
+            ("  decode program", f"{r['decode_program_s'] * 1e3:.1f} ms ({r['decode_program_s'] / r['engine_step_s']:.0%})"),
+            ("  host side", f"{r['host_s'] * 1e3:.1f} ms ({r['host_s'] / r['engine_step_s']:.0%})"),
+        ]
+        rows += [(f"    {k}", f"{r['program_ms_by_category'][k]:.1f} ms ({v:.0%} of program)")
+                 for k, v in r["program_shares"].items()]
+        rows += [("KV gathered per step", f"{r['kv_gathered_mb_per_step']:.1f} MB (page-table width "
+                                          f"{r['page_table_width']} pages, max_model_len {r['max_model_len']})")]
+        print(format_table(rows, f"decode profile: batch {b}, context {args.context}, {args.dtype}, kv {r['kv_format']}"))
+        print("  top ops: " + ", ".join(f"{o['op']} [{o['category']}] {o['share']:.0%}" for o in r["top_ops"][:5]))
+        print(flush=True)
+    if args.json:
+        write_json(args.json, dict(benchmark="decode_profile", command=" ".join(sys.argv), config=vars(args),
+                                   results=results, machine=machine_info()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

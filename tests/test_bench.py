@@ -1,0 +1,86 @@
+"""``jaxserve bench`` (offline serving benchmark) on a tiny Llama: the JSON report has its
+keys, the counts add up, percentiles are ordered; the workload is fixed by its seed."""
+import json
+
+import pytest
+
+from hf_models import build_llama
+from jaxserve.bench.measure import percentile, summary
+from jaxserve.bench.offline import fitted_max_model_len, main, run_workload
+from jaxserve.bench.workload import make_workload, warmup_workload
+
+ENGINE = ["--num-pages", "48", "--page-size", "8", "--max-num-seqs", "4", "--max-prefill-seqs", "2",
+          "--prefill-chunk", "32", "--max-num-batched-tokens", "64"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench_llama")
+    build_llama(path, seed=3)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def report(tiny_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_out") / "offline.json"
+    argv = ["--model", tiny_llama, *ENGINE, "--num-requests", "10", "--prompt-len", "3", "30",
+            "--output-len", "1", "9", "--seed", "7", "--json", str(out), "--no-progress"]
+    assert main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_report_has_the_keys_and_counts_add_up(report):
+    res = report["results"]
+    for key in ("output_tokens_per_s", "total_tokens_per_s", "ttft_s", "itl_s", "tpot_s", "e2e_latency_s",
+                "peak_kv_pages", "kv_pages_total", "preemptions", "wall_s", "compiles_during_run"):
+        assert key in res, key
+    assert report["config"]["num_requests"] == res["num_requests"] == 10
+    assert res["finish_reasons"] == {"length": 10}  # EOS ignored: every request runs to its length
+    assert res["completion_tokens"] == res["expected_completion_tokens"]
+    workload = make_workload(10, (3, 30), (1, 9), 256, seed=7)
+    assert res["completion_tokens"] == sum(r.max_tokens for r in workload)
+    assert res["prompt_tokens"] == sum(len(r.prompt_ids) for r in workload)
+    assert res["output_tokens_per_s"] == pytest.approx(res["completion_tokens"] / res["wall_s"])
+    assert res["total_tokens_per_s"] > res["output_tokens_per_s"] > 0
+    assert 0 < res["peak_kv_pages"] <= res["kv_pages_total"] == 47
+    assert res["preemptions"] >= 0
+    for name in ("ttft_s", "itl_s", "tpot_s", "e2e_latency_s"):
+        s = res[name]
+        assert 0 <= s["p50"] <= s["p95"] <= s["max"], (name, s)
+    assert res["ttft_s"]["p95"] <= res["e2e_latency_s"]["max"]
+    # The engine's page-table width is a power of two, so warm-up compiled every serving program.
+    assert "step" not in "".join(res["compiled_functions_during_run"])
+
+
+def test_poisson_arrivals_and_preemption_lose_nothing(tiny_llama):
+    from jaxserve import LLM
+
+    # 13 usable pages of 8 tokens for 4 running requests of up to 40 tokens: preemption likely.
+    llm = LLM(tiny_llama, num_pages=14, page_size=8, max_num_seqs=4, max_prefill_seqs=2, prefill_chunk=32,
+              max_num_batched_tokens=64, max_model_len=fitted_max_model_len(40, 8))
+    work = make_workload(8, (10, 30), (4, 10), 256, seed=1, request_rate=200.0)
+    assert work[0].arrival == 0 and all(a.arrival <= b.arrival for a, b in zip(work, work[1:]))
+    res = run_workload(llm, work, dict(temperature=0.0), progress=False)
+    assert res["completion_tokens"] == sum(r.max_tokens for r in work)
+    assert res["num_requests"] == 8 and res["peak_kv_pages"] <= 13
+    assert res["preemptions"] == sum(s.num_preemptions for s in llm.engine.seqs.values())
+    assert llm.engine.bm.num_used_pages == 0 and "schedule" not in vars(llm.engine.scheduler)
+
+
+def test_workload_is_fixed_by_its_seed():
+    a = make_workload(16, (4, 12), (2, 5), 49152, seed=3)
+    assert a == make_workload(16, (4, 12), (2, 5), 49152, seed=3)
+    assert a != make_workload(16, (4, 12), (2, 5), 49152, seed=4)
+    assert all(4 <= len(r.prompt_ids) <= 12 and 2 <= r.max_tokens <= 5 and r.arrival == 0 for r in a)
+    assert all(768 <= t < 49152 for r in a for t in r.prompt_ids)  # clear of special token ids
+    warm = warmup_workload(a, 4, 49152, seed=3)
+    assert [r.max_tokens for r in warm] == [1, 2, 3, 4]
+    assert not {tuple(r.prompt_ids) for r in warm} & {tuple(r.prompt_ids) for r in a}
+    with pytest.raises(ValueError):
+        make_workload(4, (5, 3), (1, 2), 256)
+
+
+def test_percentiles_and_page_fitting():
+    assert percentile([], 50) is None and summary([])["p95"] is None
+    assert percentile([3, 1, 2], 50) == 2 and percentile([1, 2], 95) == pytest.approx(1.95)
+    assert fitted_max_model_len(52, 8) == 64 and fitted_max_model_len(64, 8) == 64 and fitted_max_model_len(65, 8) == 128
