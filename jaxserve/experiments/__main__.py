@@ -1,0 +1,5 @@
+import sys
+
+from jaxserve.experiments.cli import main
+
+sys.exit(main())

@@ -1,0 +1,324 @@
+"""Shared pieces of the format experiments: machine description, result files, the text
+corpus, KV bytes per page, and an instrumented engine run (per-step phase timing).
+
+Everything here imports jax lazily, so ``--help`` stays instant.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DEFAULT_OUT = Path("bench/results/experiments")
+
+# The command line as typed (set by the CLI entry points; recorded in every result).
+INVOCATION: list[str] = []
+
+
+def command_line() -> str:
+    if INVOCATION:
+        return shlex.join(INVOCATION)
+    argv0 = sys.argv[0]
+    prog = "python -m jaxserve.experiments" if argv0.endswith("__main__.py") else os.path.basename(argv0)
+    return " ".join([prog, shlex.join(sys.argv[1:])]).strip()
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict[str, Any]:
+    import jax
+    import jaxlib
+
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        affinity = os.cpu_count()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    return {
+        "nproc": affinity,
+        "cpu_model": cpu_model(),
+        "jax_version": jax.__version__,
+        "jaxlib_version": jaxlib.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "load_average_at_start": load,
+        "git_commit": commit,
+    }
+
+
+def header_md(title: str, meta: dict[str, Any]) -> str:
+    m = meta["machine"]
+    cmds = meta.get("commands") or [meta["command"]]
+    return (
+        f"## {title}\n\n"
+        + "".join(f"- command: `{c}`\n" for c in cmds) +
+        f"- machine: {m['nproc']} CPUs ({m['cpu_model']}), backend {m['backend']}, "
+        f"load average at start {m['load_average_at_start']}\n"
+        f"- jax {m['jax_version']} (jaxlib {m['jaxlib_version']}), Python {m['python']}, commit {m['git_commit']}\n"
+        f"- date: {m['date_utc']}; wall time {meta.get('wall_s', 0):.0f} s\n"
+        f"- model: {meta.get('model', '?')}\n"
+    )
+
+
+def md_table(headers: list[str], rows: list[list[Any]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return _jsonable(dataclasses.asdict(x))
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, float) and not np.isfinite(x):
+        return None
+    return x
+
+
+def write_json(path: Path, data: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(_jsonable(data), f, indent=1)
+        f.write("\n")
+    return path
+
+
+def write_text(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def enable_compile_cache() -> None:
+    """Persist compiled programs across runs (as ``jaxserve generate`` does)."""
+    import jax
+
+    from jaxserve.checkpoint.gguf import cache_root
+
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def resolve_model(model: str | None) -> str:
+    if model is None:
+        from jaxserve.checkpoint.gguf import default_model_dir
+
+        return str(default_model_dir())
+    return str(model)
+
+
+def model_label(model: str | None) -> str:
+    return "SmolLM2-135M-Instruct (embedded; float32 weights dequantized from Q4_1)" if model is None else str(model)
+
+
+# ---------------------------------------------------------------- KV bytes
+def kv_bytes_per_page(model_path: str, kv_format: str, page_size: int, dtype: str = "float32") -> int:
+    """Bytes of one KV page over all layers (values + fp8 scales), from the shapes of the pools
+    the model allocates (jax.eval_shape: nothing is loaded or allocated)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxserve.kv.formats import get_kv_format
+    from jaxserve.loader import load_config
+    from jaxserve.models import get_architecture
+
+    cfg = load_config(model_path)
+    arch = get_architecture(cfg)
+    dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
+    abstract = nnx.eval_shape(lambda: arch.build(cfg, dt, nnx.Rngs(0)))
+    fmt = get_kv_format(kv_format)
+    pools = jax.eval_shape(lambda: abstract.init_kv(2, page_size, fmt))
+    total = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(pools))
+    return total // 2
+
+
+def runner_kv_bytes(llm) -> int:
+    """Bytes the runner's KV pool arrays actually hold (all pages, page 0 included)."""
+    import jax
+
+    return int(sum(x.nbytes for x in jax.tree.leaves(llm.runner.kv)))
+
+
+# ---------------------------------------------------------------- corpus
+def corpus_texts() -> list[tuple[str, str]]:
+    """(topic, text) from CPython's pydoc_data.topics: the Python documentation text that ships
+    with the interpreter, written by the CPython documentation authors. Sorted by topic."""
+    from pydoc_data.topics import topics
+
+    return sorted(topics.items())
+
+
+def tokenize_fn(llm):
+    """text -> ids: the model's tokenizer, or UTF-8 bytes folded into the vocabulary for test
+    models without one."""
+    if llm.tokenizer is not None:
+        return llm.tokenizer.encode
+    v = llm.cfg.vocab_size
+    return lambda text: [b % v for b in text.encode("utf-8")]
+
+
+def corpus_documents(tokenize, length: int, max_docs: int) -> list[tuple[str, list[int]]]:
+    """Up to max_docs (topic, first `length` token ids) from the topics at least `length` tokens
+    long; when more qualify, an evenly spaced subset (by topic name order) is taken."""
+    docs = []
+    for key, text in corpus_texts():
+        ids = tokenize(text)
+        if len(ids) >= length:
+            docs.append((key, list(ids[:length])))
+    if len(docs) > max_docs:
+        idx = np.linspace(0, len(docs) - 1, max_docs).round().astype(int)
+        docs = [docs[i] for i in idx]
+    return docs
+
+
+# ---------------------------------------------------------------- instrumented engine runs
+@dataclasses.dataclass
+class RunMeasure:
+    """One batch of requests driven through ``engine.step()`` to completion."""
+
+    requests: int
+    wall_s: float = 0.0
+    steps: int = 0
+    output_tokens: int = 0
+    decode_only_steps: int = 0
+    decode_only_s: float = 0.0
+    decode_only_tokens: int = 0
+    prefill_only_steps: int = 0
+    prefill_only_s: float = 0.0
+    prefill_only_tokens: int = 0
+    mixed_steps: int = 0
+    prefill_tokens: int = 0  # all prefill-program tokens (recompute after preemption included)
+    max_running: int = 0  # most sequences in scheduler.running during any step
+    mean_running_decode: float = 0.0  # mean decode batch over decode steps
+    preemptions: int = 0
+    compiles: int = 0  # serving-program compilations during the run (should be 0 when timed)
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_only_tokens / self.decode_only_s if self.decode_only_s > 0 else float("nan")
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prefill_only_tokens / self.prefill_only_s if self.prefill_only_s > 0 else float("nan")
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(decode_tok_s=self.decode_tok_s, prefill_tok_s=self.prefill_tok_s, output_tok_s=self.output_tok_s)
+        return d
+
+
+def run_requests(llm, prompts: list[list[int]], params) -> RunMeasure:
+    """Submit every prompt at once and step the engine until all finish, timing each step and
+    attributing it by the programs it ran: decode-only, prefill-only or mixed.
+
+    The runner's ``step`` is wrapped on this instance only (to see which phase ran with how
+    many real rows and how many sequences were running); it is restored afterwards.
+    """
+    engine, runner = llm.engine, llm.runner
+    if engine.has_unfinished():
+        raise RuntimeError("the engine has requests in flight")
+    calls: list[tuple[str, int, int, int]] = []
+    orig = runner.step
+
+    def step(phase, tokens, cached_lens, new_lens, page_table, expected, num_pages_used):
+        new = np.asarray(new_lens)
+        # (phase, real rows, new tokens, sequences running while this program runs)
+        calls.append((phase, int((new > 0).sum()), int(new.sum()), len(engine.scheduler.running)))
+        return orig(phase, tokens, cached_lens, new_lens, page_table, expected, num_pages_used)
+
+    m = RunMeasure(requests=len(prompts))
+    compiles0 = runner.compiles_after_warmup
+    decode_rows = []
+    runner.step = step
+    try:
+        rids = [engine.add_request(p, params) for p in prompts]
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            calls.clear()
+            ts = time.perf_counter()
+            engine.step()
+            dt = time.perf_counter() - ts
+            m.steps += 1
+            phases = {c[0] for c in calls}
+            dec = sum(c[1] for c in calls if c[0] == "decode")
+            pre = sum(c[2] for c in calls if c[0] == "prefill")
+            m.prefill_tokens += pre
+            if "decode" in phases:
+                decode_rows.append(dec)
+            if phases == {"decode"}:
+                m.decode_only_steps += 1
+                m.decode_only_s += dt
+                m.decode_only_tokens += dec
+            elif phases == {"prefill"}:
+                m.prefill_only_steps += 1
+                m.prefill_only_s += dt
+                m.prefill_only_tokens += pre
+            elif phases:
+                m.mixed_steps += 1
+            m.max_running = max([m.max_running] + [c[3] for c in calls])
+        m.wall_s = time.perf_counter() - t0
+    finally:
+        del runner.step
+    seqs = [engine.seqs.pop(r) for r in rids]
+    m.output_tokens = sum(len(s.output_ids) for s in seqs)
+    m.preemptions = sum(s.num_preemptions for s in seqs)
+    m.mean_running_decode = float(np.mean(decode_rows)) if decode_rows else 0.0
+    m.compiles = runner.compiles_after_warmup - compiles0
+    return m
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """n prompts of `length` token ids drawn uniformly (away from the low special ids)."""
+    rng = np.random.default_rng(seed)
+    lo = min(16, vocab // 4)
+    return [rng.integers(lo, vocab, length).tolist() for _ in range(n)]
+
+
+def median_range(xs: list[float]) -> tuple[float, float, float]:
+    a = np.asarray([x for x in xs if x is not None and np.isfinite(x)], np.float64)
+    if not len(a):
+        return float("nan"), float("nan"), float("nan")
+    return float(np.median(a)), float(a.min()), float(a.max())
