@@ -94,8 +94,12 @@ def tiny_llama(tmp_path_factory):
 
 
 def _files_exist(result, kinds):
+    """The outputs exist; PNGs only when matplotlib is installed (JSON and markdown always)."""
+    import importlib.util
     from pathlib import Path
 
+    if importlib.util.find_spec("matplotlib") is None:
+        kinds = [k for k in kinds if not k.startswith("png")]
     for k in kinds:
         assert Path(result["files"][k]).stat().st_size > 0, k
     data = json.loads(Path(result["files"]["json"]).read_text())
@@ -108,7 +112,6 @@ def _files_exist(result, kinds):
 def test_capacity_tiny(tiny_llama, tmp_path):
     from jaxserve.experiments import capacity, common
 
-    pytest.importorskip("matplotlib")
     bpp = {f: common.kv_bytes_per_page(tiny_llama, f, 16) for f in ("bf16", "fp8_e4m3")}
     budget = 2 * bpp["bf16"] + 100  # bf16: 2 pages (1 request + the null page); fp8: 3 pages (2 requests)
     r = capacity.run(tiny_llama, budget, levels=None, max_concurrency=8, prompt_len=8, max_tokens=6, reps=1,
@@ -134,17 +137,18 @@ def test_weights_tiny(tiny_llama, tmp_path):
     from jaxserve.experiments import weights
 
     cfgs = ["int4=int4:g32/int4:g32", "phase-aware=fp8:block128/int4:g32"]
-    r = weights.run(tiny_llama, cfgs, levels=(1, 2), prompt_len=16, max_tokens=4, reps=1, out_dir=tmp_path,
+    r = weights.run(tiny_llama, cfgs, levels=(2,), prompt_len=16, max_tokens=4, reps=1, out_dir=tmp_path,
                     plots=False, log=lambda *a: None)
     data, md = _files_exist(r, ["json", "markdown"])
-    assert data["configs"]["int4"]["int4_prefill_emulated"] and not data["configs"]["phase-aware"]["int4_prefill_emulated"]
+    assert data["configs"]["int4"]["int4_prefill_emulated"]
+    assert not data["configs"]["phase-aware"]["int4_prefill_emulated"]
     wb = data["configs"]
     # The emulated int4 prefill reads the int4 representation (smaller than the fp8 one).
     assert wb["int4"]["weight_bytes"]["prefill"] == wb["int4"]["weight_bytes"]["decode"]
     assert wb["int4"]["weight_bytes"]["prefill"] < wb["phase-aware"]["weight_bytes"]["prefill"]
     assert wb["phase-aware"]["weight_bytes"]["decode"] < wb["phase-aware"]["weight_bytes"]["prefill"]
     for t in data["summary"]["table"]:
-        assert t["decode_c1"] > 0 and t["prefill_c2"] > 0
+        assert t["decode_c2"] > 0 and t["prefill_c2"] > 0
     assert "(emulated)" in md
     with pytest.raises(ValueError, match="NAME=PREFILL/DECODE"):
         weights.parse_config("int4")
@@ -153,16 +157,22 @@ def test_weights_tiny(tiny_llama, tmp_path):
 def test_quality_tiny(tiny_llama, tmp_path, monkeypatch):
     from jaxserve.experiments import quality
 
-    pytest.importorskip("matplotlib")
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    cfgs = ["kv-fp8=fp8_e4m3/none/none", "w-int4=float32/none/int4:g32"]
-    r = quality.run(tiny_llama, cfgs, docs=6, prefix=32, cont=8, chunk=16, sample_prompts=2, seeds=2,
-                    sample_tokens=4, n_boot=200, out_dir=tmp_path, log=lambda *a: None)
+    small = dict(docs=6, prefix=32, cont=8, chunk=16, sample_prompts=2, seeds=2, sample_tokens=4, n_boot=200,
+                 out_dir=tmp_path, log=lambda *a: None)
+    r = quality.run(tiny_llama, ["kv-fp8=fp8_e4m3/none/none"], **small)
     data, md = _files_exist(r, ["json", "markdown", "png", "png_positions"])
     assert data["reference_check"]["max_abs_logprob_diff_vs_full_forward"] < 1e-4
     res = data["results"]
-    assert set(res) == {"float32", "kv-fp8", "w-int4"}
-    kv, w4 = res["kv-fp8"], res["w-int4"]
+    assert set(res) == {"float32", "kv-fp8"}
+    assert res["float32"]["sampling"]["identical_rate"]["point"] == 1.0  # the reference against itself
+    assert "KL(ref, fmt)" in md and "identical completions" in md
+    # --resume merges another configuration into the same results, reusing the cached reference.
+    assert list((tmp_path / "cache" / "experiments").glob("quality-ref-*.npz"))
+    r2 = quality.run(tiny_llama, ["w-int4=float32/none/int4:g32"], resume=True, plots=False, **small)
+    assert set(r2["results"]) == {"float32", "kv-fp8", "w-int4"}
+    assert r2["results"]["kv-fp8"] == json.loads(json.dumps(res["kv-fp8"]))
+    kv, w4 = res["kv-fp8"], r2["results"]["w-int4"]
     # int4 decode weights: the prefill phase (float32 weights and KV) is exactly the reference.
     assert w4["phases"]["prefill"]["kl"]["point"] == 0.0 and w4["phases"]["prefill"]["top1_agreement"]["point"] == 1.0
     assert w4["phases"]["decode"]["kl"]["point"] > 0
@@ -175,11 +185,3 @@ def test_quality_tiny(tiny_llama, tmp_path, monkeypatch):
             assert ci["lo"] <= ci["point"] <= ci["hi"]
         s = r_["sampling"]
         assert s["completions"] == 4 and 0 <= s["identical_rate"]["point"] <= 1
-    assert res["float32"]["sampling"]["identical_rate"]["point"] == 1.0  # the reference against itself
-    assert "KL(ref||fmt)" in md and "identical completions" in md
-    # --resume merges another configuration into the same results, reusing the cached reference.
-    r2 = quality.run(tiny_llama, ["kv-bf16=bf16/none/none"], docs=6, prefix=32, cont=8, chunk=16, sample_prompts=2,
-                     seeds=2, sample_tokens=4, n_boot=200, resume=True, out_dir=tmp_path, plots=False,
-                     log=lambda *a: None)
-    assert set(r2["results"]) == {"float32", "kv-fp8", "w-int4", "kv-bf16"}
-    assert r2["results"]["kv-fp8"] == json.loads(json.dumps(res["kv-fp8"]))

@@ -179,7 +179,8 @@ def summarize(runs: list[dict], formats: dict) -> dict:
 
 def markdown(result: dict) -> str:
     st, fm, summ = result["settings"], result["formats"], result["summary"]
-    lines = [common.header_md("Capacity: decode throughput vs concurrency under a fixed KV byte budget", result["meta"])]
+    title = "Capacity: decode throughput vs concurrency under a fixed KV byte budget"
+    lines = [common.header_md(title, result["meta"])]
     lines.append(
         f"- workload: c requests at once, prompt {st['prompt_len']} random tokens, {st['max_tokens']} greedy output "
         f"tokens (EOS ignored), page size {st['page_size']}, weights/activations {st['dtype']}, "

@@ -77,8 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="NAME=PREFILL/DECODE weight specs (none = as loaded; an int4 prefill is emulated)")
     w.add_argument("--levels", type=_ints, default=[1, 8], help="concurrent requests")
     w.add_argument("--prompt-len", type=int, default=128)
-    w.add_argument("--max-tokens", type=int, default=32)
-    w.add_argument("--reps", type=int, default=2)
+    w.add_argument("--max-tokens", type=int, default=24)
+    w.add_argument("--reps", type=int, default=3)
     w.add_argument("--kv-format", default="bf16")
     w.add_argument("--page-size", type=int, default=16)
     w.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -107,6 +107,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="reuse the cached reference and merge into an existing NAME.json with the same settings")
     q.add_argument("--no-reference-check", action="store_true")
     q.set_defaults(func=_run_quality)
+
+
+    r = sub.add_parser("render", help="rewrite the markdown and PNGs of saved result JSON files (no measuring)")
+    r.add_argument("json", nargs="+", help="result files written by capacity / weights / quality")
+    r.add_argument("--no-plots", action="store_true")
+    r.set_defaults(func=_run_render)
 
 
 def register(subparsers) -> None:
@@ -153,6 +159,22 @@ def _run_quality(args) -> int:
                     not args.no_plots)
     print(quality.markdown(r))
     return _print_files(r)
+
+
+def _run_render(args) -> int:
+    import importlib
+    import json
+    from pathlib import Path
+
+    for fn in args.json:
+        path = Path(fn)
+        result = json.loads(path.read_text())
+        kind = result.get("experiment")
+        if kind not in ("capacity", "weights", "quality"):
+            raise ValueError(f"{fn} is not a result file of jaxserve experiment (experiment={kind!r})")
+        mod = importlib.import_module(f"jaxserve.experiments.{kind}")
+        _print_files({"files": mod.write(result, path.parent, path.stem, not args.no_plots)})
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

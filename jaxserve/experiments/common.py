@@ -231,10 +231,17 @@ class RunMeasure:
     mean_running_decode: float = 0.0  # mean decode batch over decode steps
     preemptions: int = 0
     compiles: int = 0  # serving-program compilations during the run (should be 0 when timed)
+    decode_step_rates: list = dataclasses.field(default_factory=list)  # tokens/s of each decode-only step
 
     @property
     def decode_tok_s(self) -> float:
         return self.decode_only_tokens / self.decode_only_s if self.decode_only_s > 0 else float("nan")
+
+    @property
+    def decode_tok_s_median_step(self) -> float:
+        """Median over decode-only steps of (tokens / step time): robust to a few steps slowed
+        by other work on a shared machine."""
+        return float(np.median(self.decode_step_rates)) if self.decode_step_rates else float("nan")
 
     @property
     def prefill_tok_s(self) -> float:
@@ -246,7 +253,8 @@ class RunMeasure:
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d.update(decode_tok_s=self.decode_tok_s, prefill_tok_s=self.prefill_tok_s, output_tok_s=self.output_tok_s)
+        d.update(decode_tok_s=self.decode_tok_s, decode_tok_s_median_step=self.decode_tok_s_median_step,
+                 prefill_tok_s=self.prefill_tok_s, output_tok_s=self.output_tok_s)
         return d
 
 
@@ -292,6 +300,7 @@ def run_requests(llm, prompts: list[list[int]], params) -> RunMeasure:
                 m.decode_only_steps += 1
                 m.decode_only_s += dt
                 m.decode_only_tokens += dec
+                m.decode_step_rates.append(dec / dt)
             elif phases == {"prefill"}:
                 m.prefill_only_steps += 1
                 m.prefill_only_s += dt

@@ -102,7 +102,9 @@ def quality_plot(result: dict, path: Path) -> Path | None:
     plt = _plt()
     if plt is None:
         return None
-    res = {n: r for n, r in result["results"].items() if not r.get("reference")}
+    from jaxserve.experiments.quality import ordered
+
+    res = {n: r for n, r in ordered(result["results"]).items() if not r.get("reference")}
     if not res:
         return None
     names = list(res)
@@ -143,7 +145,9 @@ def quality_position_plot(result: dict, path: Path) -> Path | None:
     plt = _plt()
     if plt is None:
         return None
-    res = {n: r for n, r in result["results"].items() if "kl_by_position" in r}
+    from jaxserve.experiments.quality import ordered
+
+    res = {n: r for n, r in ordered(result["results"]).items() if "kl_by_position" in r}
     if not res:
         return None
     st = result["settings"]
@@ -153,13 +157,16 @@ def quality_position_plot(result: dict, path: Path) -> Path | None:
     ax.axvline(st["prefix"] - 0.5, color="0.4", ls="--", lw=0.8)
     for c in range(st["chunk"], st["prefix"], st["chunk"]):
         ax.axvline(c - 0.5, color="0.8", ls=":", lw=0.8)
-    ax.text(st["prefix"], ax.get_ylim()[1], " decode ->", va="top", fontsize=8)
     ax.set_yscale("symlog", linthresh=1e-5)
+    ax.set_ylim(bottom=0)
+    ax.text(st["prefix"], 0.98, " decode ->", va="top", fontsize=8, transform=ax.get_xaxis_transform())
+    ax.text(st["prefix"] - 1, 0.98, "<- prefill ", va="top", ha="right", fontsize=8,
+            transform=ax.get_xaxis_transform())
     ax.set_xlabel("position (dotted: prefill chunk boundaries; dashed: prefill -> decode)")
     ax.set_ylabel("mean KL(ref || format), nats")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    ax.set_title("Per-position KL divergence from the float32 reference", fontsize=10)
+    ax.legend(fontsize=7, ncol=3, loc="lower right")
+    ax.set_title("Per-position KL divergence from the float32 reference (mean over documents)", fontsize=10)
     _footer(fig, result["meta"])
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -55,6 +55,7 @@ DEFAULT_CONFIGS = (
     "w-fp8=float32/fp8_e4m3/fp8_e4m3",
     "w-fp8-block128=float32/fp8:block128/fp8:block128",
     "w-int4-g32=float32/none/int4:g32",
+    "w-int4-g64=float32/none/int4:g64",
     "w-int4-g128=float32/none/int4:g128",
     "article=fp8_e4m3/fp8:block128/int4:g32",
 )
@@ -358,8 +359,15 @@ def run(
     return result
 
 
+def ordered(results: dict) -> dict:
+    """Reference first, then the default configurations in their order, then any others."""
+    rank = {parse_config(c)[0]: i for i, c in enumerate(DEFAULT_CONFIGS)}
+    keys = sorted(results, key=lambda n: (not results[n].get("reference"), rank.get(n, len(rank)), n))
+    return {k: results[k] for k in keys}
+
+
 def markdown(result: dict) -> str:
-    st, res = result["settings"], result["results"]
+    st, res = result["settings"], ordered(result["results"])
     lines = [common.header_md("Quality: KV and weight formats vs the float32 reference on pydoc text", result["meta"])]
     lines.append(
         f"- corpus: CPython `pydoc_data.topics`, {st['docs']} topics, first {st['prefix'] + st['cont'] + 1} tokens "
@@ -385,7 +393,7 @@ def markdown(result: dict) -> str:
                          "-" if r.get("reference") else stats.CI(**p["kl"]).fmt(2, kind="e"),
                          "-" if r.get("reference") else stats.CI(**p["top1_agreement"]).fmt(1, scale=100)])
         lines.append(common.md_table(
-            ["config", "KV", "prefill w", "decode w", "perplexity", "dPPL vs ref", "KL(ref||fmt) nats/token",
+            ["config", "KV", "prefill w", "decode w", "perplexity", "dPPL vs ref", "KL(ref, fmt) nats/token",
              "top-1 agreement %"], rows))
         lines.append("\n")
     lines.append("Sampled generation, same seeds as the reference:\n\n")

@@ -23,6 +23,7 @@ from pathlib import Path
 from jaxserve.experiments import common
 
 DEFAULT_CONFIGS = (
+    "float32=none/none",
     "bf16=bf16/bf16",
     "fp8=fp8:block128/fp8:block128",
     "int4=int4:g32/int4:g32",
@@ -71,8 +72,8 @@ def run(
     configs=DEFAULT_CONFIGS,
     levels=(1, 8),
     prompt_len: int = 128,
-    max_tokens: int = 32,
-    reps: int = 2,
+    max_tokens: int = 24,
+    reps: int = 3,
     kv_format: str = "bf16",
     page_size: int = 16,
     dtype: str = "float32",
@@ -97,7 +98,8 @@ def run(
         llm, emulated = build(model, name_, pre, dec, dtype, kv_format, num_pages, page_size, max_level,
                               prompt_len, per_req * page_size)
         llms[name_] = llm
-        info[name_] = {"prefill_weights": pre or f"as loaded ({dtype})", "decode_weights": dec or f"as loaded ({dtype})",
+        info[name_] = {"prefill_weights": pre or f"as loaded ({dtype})",
+                       "decode_weights": dec or f"as loaded ({dtype})",
                        "int4_prefill_emulated": emulated, "weight_bytes": phase_bytes(llm)}
     vocab = next(iter(llms.values())).cfg.vocab_size
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
@@ -137,18 +139,34 @@ def summarize(runs, names, levels) -> dict:
         for c in levels:
             rows = [r for r in runs if r["config"] == n and r["concurrency"] == c]
             d = common.median_range([r["decode_tok_s"] for r in rows])
+            ms = common.median_range([r["decode_tok_s_median_step"] for r in rows])
+            row[f"decodemed_c{c}"], row[f"decodemed_c{c}_min"], row[f"decodemed_c{c}_max"] = ms
             p = common.median_range([r["prefill_tok_s"] for r in rows])
             row[f"decode_c{c}"], row[f"decode_c{c}_min"], row[f"decode_c{c}_max"] = d
             row[f"prefill_c{c}"], row[f"prefill_c{c}_min"], row[f"prefill_c{c}_max"] = p
             row[f"compiles_c{c}"] = sum(r["compiles"] for r in rows)
         table.append(row)
+    # Paired by repeat: within one repeat the configurations ran back to back, so the ratio to
+    # fp8 in the same repeat cancels slow drifts of the machine's load.
+    paired = {}
+    if "fp8" in names:
+        for n in names:
+            for c in levels:
+                for key in ("decode_tok_s", "prefill_tok_s"):
+                    ratios = []
+                    for rep in sorted({r["rep"] for r in runs}):
+                        a = [r[key] for r in runs if r["config"] == n and r["concurrency"] == c and r["rep"] == rep]
+                        b = [r[key] for r in runs if r["config"] == "fp8" and r["concurrency"] == c and r["rep"] == rep]
+                        if a and b and b[0] > 0:
+                            ratios.append(a[0] / b[0])
+                    paired.setdefault(n, {})[f"{key.split('_')[0]}_c{c}"] = common.median_range(ratios)
     base = next((t for t in table if t["config"] == "fp8"), None)
     gains = {}
     if base is not None:
         for t in table:
             gains[t["config"]] = {k: t[k] / base[k] - 1 for k in t
-                                  if (k.startswith("decode_c") or k.startswith("prefill_c")) and k.count("_") == 1}
-    return {"table": table, "gain_vs_fp8": gains}
+                                  if k.split("_")[0] in ("decode", "decodemed", "prefill") and k.count("_") == 1}
+    return {"table": table, "gain_vs_fp8": gains, "paired_ratio_vs_fp8": paired}
 
 
 def markdown(result: dict) -> str:
@@ -175,6 +193,16 @@ def markdown(result: dict) -> str:
     lines.append("\nDecode tokens/s (median of repeats, min-max; % vs fp8):\n\n")
     lines.append(common.md_table(["config"] + [f"c={c}" for c in lv],
                                  [[t["config"]] + [cell(t, f"decode_c{c}") for c in lv] for t in summ["table"]]))
+    pr = summ.get("paired_ratio_vs_fp8") or {}
+    if pr:
+        lines.append("\nRatio to fp8 paired by repeat (median of the per-repeat ratios, min-max):\n\n")
+        cols = [f"decode_c{c}" for c in lv] + [f"prefill_c{c}" for c in lv]
+        lines.append(common.md_table(
+            ["config"] + [k.replace("_c", " c=") for k in cols],
+            [[n] + [f"{v[k][0]:.2f} ({v[k][1]:.2f}-{v[k][2]:.2f})" for k in cols] for n, v in pr.items()]))
+    lines.append("\nDecode tokens/s from the median decode step (robust to other load on a shared machine):\n\n")
+    lines.append(common.md_table(["config"] + [f"c={c}" for c in lv],
+                                 [[t["config"]] + [cell(t, f"decodemed_c{c}") for c in lv] for t in summ["table"]]))
     lines.append("\nPrefill tokens/s (prompt tokens / prefill-only step time; c prompts in one step; % vs fp8):\n\n")
     lines.append(common.md_table(["config"] + [f"c={c} ({c * st['prompt_len']} tokens)" for c in lv],
                                  [[t["config"]] + [cell(t, f"prefill_c{c}") for c in lv] for t in summ["table"]]))
