@@ -111,11 +111,30 @@ def main(argv=None) -> int:
           f"(default {default_threads}), kv {llm.fmt.name}, machine load {os.getloadavg()[0]:.1f}", flush=True)
     sp = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
 
+    # Where jaxserve's time goes in each call: its prefill and decode programs (runner.step
+    # already waits for its program: it reads the integrity flags back), and the host rest.
+    split: list[dict] = []
+    runner_step = llm.runner.step
+
     def run_jaxserve(prompts):
-        t = time.perf_counter()
-        outs = llm.generate(prompts, sp)
-        dt = time.perf_counter() - t
+        spent = {"prefill": 0.0, "decode": 0.0, "decode_steps": 0}
+
+        def timed(phase, *a, **kw):
+            t = time.perf_counter()
+            res = runner_step(phase, *a, **kw)
+            spent[phase] += time.perf_counter() - t
+            spent["decode_steps"] += phase == "decode"
+            return res
+
+        llm.runner.step = timed
+        try:
+            t = time.perf_counter()
+            outs = llm.generate(prompts, sp)
+            dt = time.perf_counter() - t
+        finally:
+            del llm.runner.step
         assert all(len(o) == n_out for o in outs)
+        split.append(dict(spent, host=dt - spent["prefill"] - spent["decode"]))
         return dt, [list(o) for o in outs]
 
     def run_transformers(prompts, threads):
@@ -148,6 +167,7 @@ def main(argv=None) -> int:
         warm = {name: fn(prompts) for name, fn in sides.items()}  # untimed: compile / warm up
         times = {name: [] for name in sides}
         outputs = {name: warm[name][1] for name in sides}
+        split.clear()
         with CompileWatch() as compiles:
             for rep in range(args.reps):
                 order = list(sides) if rep % 2 == 0 else list(sides)[::-1]  # A B C, C B A, ...
@@ -173,6 +193,7 @@ def main(argv=None) -> int:
             warmup_s={name: w[0] for name, w in warm.items()},
             compiles_during_timed_reps=compiles.count, agreement_vs_best=agree,
             transformers_thread_counts_agree=all(outputs[h] == outputs[best] for h in hf_sides),
+            jaxserve_split_s={k: median(x[k] for x in split) for k in ("prefill", "decode", "host", "decode_steps")},
         )
         rows.append(row)
         hf_txt = ", ".join(f"{name} {med[name]:.1f}" for name in hf_sides)
@@ -183,6 +204,10 @@ def main(argv=None) -> int:
             f"identical {agree['identical_outputs']}/{agree['outputs']} | compiles in timed reps {compiles.count}",
             flush=True,
         )
+        js = row["jaxserve_split_s"]
+        print(f"           jaxserve per call: prefill programs {js['prefill']:.2f}s, decode programs {js['decode']:.2f}s "
+              f"({js['decode_steps']:.0f} steps, {js['decode'] / max(js['decode_steps'], 1) * 1e3:.1f} ms each), "
+              f"host {js['host']:.2f}s", flush=True)
     if args.json:
         write_json(args.json, dict(
             benchmark="vs_transformers", command=" ".join(["python"] + sys.argv), model=args.model,

@@ -84,3 +84,36 @@ def test_percentiles_and_page_fitting():
     assert percentile([], 50) is None and summary([])["p95"] is None
     assert percentile([3, 1, 2], 50) == 2 and percentile([1, 2], 95) == pytest.approx(1.95)
     assert fitted_max_model_len(52, 8) == 64 and fitted_max_model_len(64, 8) == 64 and fitted_max_model_len(65, 8) == 128
+
+
+def test_decode_profile_classifies_hlo_ops():
+    from jaxserve.bench.decode_profile import parse_hlo_ops
+
+    hlo = """HloModule jit_step
+
+%fused_computation.1 (param_0: f32[2,4], param_1: f32[4,8]) -> f32[2,8] {
+  %param_0 = f32[2,4]{1,0} parameter(0)
+  %param_1 = f32[4,8]{1,0} parameter(1)
+  ROOT %dot.1 = f32[2,8]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_computation.2 (param_0: bf16[3,8,4], param_1: s32[2,2]) -> f32[2,2,4] {
+  %param_0 = bf16[3,8,4]{2,1,0} parameter(0)
+  ROOT %g = f32[2,2,4]{2,1,0} gather(%param_0, %param_1), offset_dims={2}
+}
+
+ENTRY %main.9 (params_0_.1: f32[4,8], kv_0___k__.1: bf16[3,8,4], inp_page_table.1: s32[2,2]) -> f32[2,8] {
+  %params_0_.1 = f32[4,8]{1,0} parameter(0)
+  %kv_0___k__.1 = bf16[3,8,4]{2,1,0} parameter(1)
+  %inp_page_table.1 = s32[2,2]{1,0} parameter(2)
+  %wrapped_convert.3 = f32[3,8,4]{2,1,0} fusion(%kv_0___k__.1), kind=kLoop, calls=%wrapped_convert_computation.3
+  %gather_fusion = f32[2,2,4]{2,1,0} fusion(%kv_0___k__.1, %inp_page_table.1), kind=kLoop, calls=%fused_computation.2
+  %ynn_fusion = f32[2,8]{1,0} fusion(%x, %params_0_.1), kind=kCustom, calls=%fused_computation.1
+  ROOT %exponential_fusion = f32[2,8]{1,0} fusion(%ynn_fusion), kind=kLoop, calls=%fused_computation.9
+}
+"""
+    cats = parse_hlo_ops(hlo)
+    assert cats["ynn_fusion"] == "matmul"
+    assert cats["gather_fusion"] == "KV gather (page table)"
+    assert cats["wrapped_convert.3"] == "KV write: whole-pool dtype converts"
+    assert cats["params_0_.1"].startswith("other")

@@ -44,6 +44,7 @@ def parse_args(argv=None):
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: context + steps + warm-up, fitted to a power-of-two page count; 0 = engine default")
+    ap.add_argument("--num-pages", type=int, default=None, help="KV pool size (default: just enough for the batch)")
     ap.add_argument("--no-integrity-check", action="store_true")
     ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
@@ -93,10 +94,16 @@ def parse_hlo_ops(text: str) -> dict[str, str]:
 
 
 def classify(name: str, body: str) -> str:
+    """A category for one optimized-HLO instruction from its name and text (its operands and
+    its fused computation). Heuristic, by what the runner's programs contain: KV pools are
+    parameters named ``kv_*``, page tables ``*page_table*``."""
     if name.startswith(("dot", "ynn_fusion", "onednn")) or " dot(" in body or "__onednn$matmul" in body:
         return "matmul"
     if "scatter(" in body or name.startswith(("scatter", "wrapped_scatter")):
         return "KV write (scatter)"
+    if "convert" in name and re.search(r"%(kv_[\w.]*|wrapped_scatter[\w.]*)[,)]", body.split("\n", 1)[0]):
+        # XLA on CPU scatters bf16 in float32: the whole pool is converted up and back down.
+        return "KV write: whole-pool dtype converts"
     if "page_table" in body or " gather(" in body:
         return "KV gather (page table)"
     if "exponential(" in body or "rsqrt(" in body or " reduce(" in body:
@@ -127,7 +134,6 @@ def newest_dump(dump_dir: str, pattern: str) -> str | None:
 # ---------------------------------------------------------------------- measuring
 def profile_batch(args, batch: int, dump_dir: str) -> dict:
     import jax
-    import numpy as np
 
     from jaxserve import LLM
     from jaxserve.bench.measure import median
@@ -138,7 +144,7 @@ def profile_batch(args, batch: int, dump_dir: str) -> dict:
     total = args.context + 2 * args.steps + 8
     max_len = fitted_max_model_len(total, args.page_size) if args.max_model_len is None else (args.max_model_len or None)
     llm = LLM(args.model, dtype=args.dtype, kv_format=args.kv_format, page_size=args.page_size,
-              num_pages=batch * -(-total // args.page_size) + 2, max_num_seqs=batch, max_prefill_seqs=min(batch, 8),
+              num_pages=args.num_pages or batch * -(-total // args.page_size) + 2, max_num_seqs=batch, max_prefill_seqs=min(batch, 8),
               prefill_chunk=128, max_num_batched_tokens=1024, max_model_len=max_len,
               enable_prefix_caching=False, integrity_check=not args.no_integrity_check)
     engine, runner = llm.engine, llm.runner
@@ -191,7 +197,7 @@ def profile_batch(args, batch: int, dump_dir: str) -> dict:
     op_total = sum(by_cat.values()) or 1.0
     top_ops = sorted(ops.items(), key=lambda kv: -kv[1])[:8]
     return dict(
-        batch=batch, context=args.context, dtype=args.dtype, kv_format=llm.fmt.name,
+        batch=batch, context=args.context, dtype=args.dtype, kv_format=llm.fmt.name, num_pages=llm.num_pages,
         max_model_len=engine.max_model_len, page_table_width=runner.max_pages_per_seq,
         engine_step_s=step_s, decode_program_s=prog_s, host_s=step_s - prog_s,
         decode_tok_s=batch / step_s,
@@ -236,7 +242,8 @@ def main(argv=None) -> int:
         rows += [(f"    {k}", f"{r['program_ms_by_category'][k]:.1f} ms ({v:.0%} of program)")
                  for k, v in r["program_shares"].items()]
         rows += [("KV gathered per step", f"{r['kv_gathered_mb_per_step']:.1f} MB (page-table width "
-                                          f"{r['page_table_width']} pages, max_model_len {r['max_model_len']})")]
+                                          f"{r['page_table_width']} pages, max_model_len {r['max_model_len']})"),
+                 ("KV pool", f"{r['num_pages']} pages")]
         print(format_table(rows, f"decode profile: batch {b}, context {args.context}, {args.dtype}, kv {r['kv_format']}"))
         print("  top ops: " + ", ".join(f"{o['op']} [{o['category']}] {o['share']:.0%}" for o in r["top_ops"][:5]))
         print(flush=True)
