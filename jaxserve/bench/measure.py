@@ -75,13 +75,15 @@ class CompileWatch:
 
 def machine_info() -> dict:
     """Where a figure was measured: host, CPUs, load, library versions, date."""
+    from jaxserve.experiments.common import cpu_model
+
     info = dict(
         date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         host=platform.node(),
         platform=platform.platform(),
         python=platform.python_version(),
         cpu_count=os.cpu_count(),
-        processor=_cpu_model(),
+        processor=cpu_model(),  # one implementation: jaxserve.experiments.common
     )
     try:
         info["loadavg_1m"] = os.getloadavg()[0]
@@ -95,17 +97,6 @@ def machine_info() -> dict:
     except ImportError:
         pass
     return info
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def format_table(rows: list[tuple[str, str]], title: str | None = None) -> str:
