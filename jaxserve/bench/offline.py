@@ -284,12 +284,19 @@ def run(args) -> int:
         config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k != "func"}
         config["request_rate"] = str(args.request_rate) if args.request_rate == float("inf") else args.request_rate
         write_json(args.json, dict(
-            benchmark="offline", command=" ".join(sys.argv), config=config,
+            benchmark="offline", command=_command_line(), config=config,
             engine=dict(kw, model_path=llm.model_path, architecture=llm.cfg.architecture,
                         max_model_len=llm.engine.max_model_len, decode_page_table_width=llm.runner.max_pages_per_seq),
             load_s=load_s, warmup_s=warm_s, results=res, machine=machine_info(),
         ))
     return 0
+
+
+def _command_line() -> str:
+    argv = list(sys.argv)
+    if argv and argv[0].endswith("__main__.py"):
+        argv[0] = "python -m jaxserve.bench"
+    return " ".join(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

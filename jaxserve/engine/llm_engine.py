@@ -181,7 +181,7 @@ class LLMEngine:
 
     def _run(self, phase, rows, b, t):
         """rows: (seq, new token ids, start position) -> runner step; aborts failing rows."""
-        m = self.max_pages_per_seq
+        m = self.runner.max_pages_per_seq  # the width warm-up compiled (a power of two)
         s = self.config.page_size
         tokens = np.zeros((b, t), np.int32)
         cached = np.zeros((b,), np.int32)

@@ -157,3 +157,12 @@ def test_no_compilation_after_warmup(tiny_ckpt):
     with pytest.raises(RecompilationError):
         llm.runner.step("decode", *[np.zeros((3, 1), np.int32)] + [np.zeros(3, np.int32)] * 2
                         + [np.zeros((3, llm.runner.max_pages_per_seq), np.int32)] * 2 + [np.zeros(3, np.int32)])
+
+
+def test_no_compilation_after_warmup_with_an_odd_page_table_width(tiny_ckpt):
+    """max_model_len / page_size = 12 pages: tables must be filled at the compiled width (16)."""
+    llm = LLM(tiny_ckpt, kv_format="bf16", **dict(SMALL, max_model_len=96))
+    llm.warmup()
+    llm.runner.strict = True
+    llm.generate(PROMPTS[:3], GREEDY)
+    assert llm.runner.compiles_after_warmup == 0
