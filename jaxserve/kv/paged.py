@@ -89,6 +89,23 @@ def load(fmt: KVFormat, pools: dict, name: str, page_table, dtype, headed: bool 
     return fmt.dequantize(q, scale, dtype)
 
 
+def load_chunk(fmt: KVFormat, pools: dict, name: str, page_chunk, dtype, headed: bool = False):
+    """Gather and dequantize the pages ``page_chunk`` [B, c] of pools[name].
+
+    -> [B, c*S, X] (MLA layout), or [H, B, c*S, D] for a headed pool: the head axis stays in
+    front, as stored, so no transpose copy is made (the attention einsum takes it as it is).
+    """
+    def gather(pool):
+        g = pool[:, page_chunk] if headed else pool[page_chunk]
+        lead = 2 if headed else 1  # [H, B, c, S, ...] or [B, c, S, ...]
+        c, s = g.shape[lead], g.shape[lead + 1]
+        return g.reshape(g.shape[:lead] + (c * s,) + g.shape[lead + 2:])
+
+    q = gather(pools[name])
+    scale = gather(pools[name + "_scale"]) if fmt.scaled else None
+    return fmt.dequantize(q, scale, dtype)
+
+
 def new_pool(fmt: KVFormat, shape: tuple[int, ...], name: str) -> dict:
     """Zeroed storage for one cached tensor: values `shape` (+ float32 scales shape[:-1])."""
     pools = {name: jnp.zeros(shape, fmt.dtype)}

@@ -15,7 +15,7 @@ from flax import nnx
 from jaxserve.config import ConfigError, ModelConfig, parse_common, require
 from jaxserve.kv import paged
 from jaxserve.kv.formats import KVFormat
-from jaxserve.models.attention import mla_attention, mla_decode_pallas
+from jaxserve.models.attention import mla_attention_paged, mla_decode_pallas
 from jaxserve.models.base import CausalLM, DecoderLayer, WeightSpec, keep, block_weights, skip_mtp_layers, t
 from jaxserve.models.layers import RMSNorm, apply_rope, param
 
@@ -61,11 +61,9 @@ class MLAttention(nnx.Module):
                 q_lat, q_rope, kv, lat, k_rope, step, cfg.softmax_scale, backend == "pallas_interpret"
             )
         else:
-            ctx_lat = paged.load(fmt, kv, "latent", step.page_table, x.dtype)
-            ctx_rope = paged.load(fmt, kv, "rope", step.page_table, x.dtype)
-            out_lat = mla_attention(
-                q_lat, q_rope, ctx_lat, ctx_rope, step.context_mask(page_size),
-                lat, k_rope, step.causal_mask(), cfg.softmax_scale,
+            out_lat = mla_attention_paged(
+                q_lat, q_rope, kv, fmt, step.page_table, step.cached_lens, lat, k_rope, step.causal_mask(),
+                cfg.softmax_scale, page_size,
             )
         out = jnp.einsum("bthr,rhv->bthv", out_lat, kv_b[..., nope:])  # absorb W_uv
         return jnp.einsum("bthv,hvd->btd", out, self.o[...]), kv

@@ -13,7 +13,7 @@ from flax import nnx
 from jaxserve.config import ModelConfig
 from jaxserve.kv import paged
 from jaxserve.kv.formats import KVFormat
-from jaxserve.models.attention import gqa_attention, gqa_decode_pallas
+from jaxserve.models.attention import gqa_attention_paged, gqa_decode_pallas
 from jaxserve.models.base import WeightSpec, keep
 from jaxserve.models.layers import RMSNorm, apply_rope, param
 
@@ -62,10 +62,8 @@ class GQAttention(nnx.Module):
         if backend != "xla" and x.shape[1] == 1:  # decode: the paged half in the Pallas kernel
             out = gqa_decode_pallas(q, kv, k, v, step, cfg.softmax_scale, backend == "pallas_interpret")
         else:
-            ctx_k = paged.load(fmt, kv, "k", step.page_table, x.dtype, headed=True)
-            ctx_v = paged.load(fmt, kv, "v", step.page_table, x.dtype, headed=True)
-            out = gqa_attention(
-                q, ctx_k, ctx_v, step.context_mask(page_size), k, v, step.causal_mask(), cfg.softmax_scale
+            out = gqa_attention_paged(
+                q, kv, fmt, step.page_table, step.cached_lens, k, v, step.causal_mask(), cfg.softmax_scale, page_size
             )
         y = jnp.einsum("bthk,hkd->btd", out, self.o[...])
         return (y + self.o_bias[...] if self.o_bias is not None else y), kv

@@ -1,0 +1,114 @@
+"""The serving attention reads the cached context from pages in chunks with an online softmax
+(``gqa_attention_paged`` / ``mla_attention_paged``); it must equal the one-shot softmax over
+the whole gathered context (``gqa_attention`` / ``mla_attention``), for contexts that end
+inside a chunk, on a chunk boundary, span several chunks, are empty, and for padding rows."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.kv import paged
+from jaxserve.kv.formats import get_kv_format
+from jaxserve.models import attention
+
+PAGE = 4
+NUM_PAGES = 40
+
+
+def _setup(seed, b, t, width, cached, new_lens, shape_fn):
+    rng = np.random.default_rng(seed)
+    # Distinct random pages per row (null page 0 excluded), padded with the null page.
+    perm = rng.permutation(np.arange(1, NUM_PAGES))
+    table = np.zeros((b, width), np.int32)
+    used = 0
+    for i in range(b):
+        n = -(-(cached[i] + new_lens[i]) // PAGE)
+        table[i, :n] = perm[used: used + n]
+        used += n
+    return rng, table
+
+
+def _causal(new_lens, t):
+    v = np.arange(t)[None, :] < np.asarray(new_lens)[:, None]
+    tri = np.tril(np.ones((t, t), bool))
+    return jnp.asarray(tri[None] & v[:, None, :] & v[:, :, None])
+
+
+CASES = [
+    # (cached lens, new lens, T, table width, chunk tokens)
+    ([0, 5, 8, 23], [1, 1, 1, 1], 1, 8, 8),  # decode: empty, mid-chunk, on a boundary, 3 chunks
+    ([3, 16, 0, 0], [4, 2, 3, 0], 4, 6, 8),  # prefill chunks; width not a multiple of the chunk; a padding row
+    ([30, 1], [1, 1], 1, 8, 1024),  # one chunk covers the table
+]
+
+
+@pytest.mark.parametrize("fmt_name", ["float32", "bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("case", CASES)
+def test_gqa_chunked_equals_one_shot(case, fmt_name):
+    cached, new_lens, t, width, chunk = case
+    b, kvh, g, d = len(cached), 2, 3, 8
+    fmt = get_kv_format(fmt_name)
+    rng, table = _setup(0, b, t, width, cached, new_lens, None)
+    pools = {**paged.new_pool(fmt, (kvh, NUM_PAGES, PAGE, d), "k"), **paged.new_pool(fmt, (kvh, NUM_PAGES, PAGE, d), "v")}
+    # Fill every page with random K/V (what other requests left there must stay invisible).
+    for name in ("k", "v"):
+        vals = jnp.asarray(rng.standard_normal((NUM_PAGES * PAGE, kvh, d)), jnp.float32)
+        pg = jnp.repeat(jnp.arange(NUM_PAGES), PAGE)[None]
+        off = jnp.tile(jnp.arange(PAGE), NUM_PAGES)[None]
+        pools = paged.store(fmt, pools, name, vals[None], pg, off, headed=True)
+    q = jnp.asarray(rng.standard_normal((b, t, kvh * g, d)), jnp.float32)
+    nk = jnp.asarray(rng.standard_normal((b, t, kvh, d)), jnp.float32)
+    nv = jnp.asarray(rng.standard_normal((b, t, kvh, d)), jnp.float32)
+    causal = _causal(new_lens, t)
+    cl = jnp.asarray(cached, jnp.int32)
+    tbl = jnp.asarray(table)
+
+    got = attention.gqa_attention_paged(q, pools, fmt, tbl, cl, nk, nv, causal, 0.3, PAGE, chunk_tokens=chunk)
+    ck = paged.load(fmt, pools, "k", tbl, jnp.float32, headed=True)
+    cv = paged.load(fmt, pools, "v", tbl, jnp.float32, headed=True)
+    mask = jnp.arange(width * PAGE)[None, :] < cl[:, None]
+    want = attention.gqa_attention(q, ck, cv, mask, nk, nv, causal, 0.3)
+    valid = np.arange(t)[None, :] < np.asarray(new_lens)[:, None]  # [B, T]: real new tokens
+    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=2e-5, rtol=1e-5)
+    assert np.isfinite(np.asarray(got)).all()  # padding rows: zeros, not NaN
+    # The loop really stops at the longest context: poisoning pages past it changes nothing.
+    n_chunk = attention.chunk_pages(PAGE, width, chunk)
+    last = -(-max(cached) // (n_chunk * PAGE)) * n_chunk
+    if last < width:
+        poisoned = np.array(table)
+        poisoned[:, last:] = 0
+        again = attention.gqa_attention_paged(q, pools, fmt, jnp.asarray(poisoned), cl, nk, nv, causal, 0.3, PAGE,
+                                              chunk_tokens=chunk)
+        np.testing.assert_array_equal(np.asarray(again), np.asarray(got))
+
+
+@pytest.mark.parametrize("fmt_name", ["float32", "fp8_e4m3"])
+@pytest.mark.parametrize("case", CASES)
+def test_mla_chunked_equals_one_shot(case, fmt_name):
+    cached, new_lens, t, width, chunk = case
+    b, h, r, dr = len(cached), 3, 16, 4
+    fmt = get_kv_format(fmt_name)
+    rng, table = _setup(1, b, t, width, cached, new_lens, None)
+    pools = {**paged.new_pool(fmt, (NUM_PAGES, PAGE, r), "latent"), **paged.new_pool(fmt, (NUM_PAGES, PAGE, dr), "rope")}
+    pg = jnp.repeat(jnp.arange(NUM_PAGES), PAGE)[None]
+    off = jnp.tile(jnp.arange(PAGE), NUM_PAGES)[None]
+    for name, x in (("latent", r), ("rope", dr)):
+        vals = jnp.asarray(rng.standard_normal((1, NUM_PAGES * PAGE, x)), jnp.float32)
+        pools = paged.store(fmt, pools, name, vals, pg, off)
+    ql = jnp.asarray(rng.standard_normal((b, t, h, r)), jnp.float32)
+    qr = jnp.asarray(rng.standard_normal((b, t, h, dr)), jnp.float32)
+    nl = jnp.asarray(rng.standard_normal((b, t, r)), jnp.float32)
+    nr = jnp.asarray(rng.standard_normal((b, t, dr)), jnp.float32)
+    causal = _causal(new_lens, t)
+    cl = jnp.asarray(cached, jnp.int32)
+    tbl = jnp.asarray(table)
+    got = attention.mla_attention_paged(ql, qr, pools, fmt, tbl, cl, nl, nr, causal, 0.2, PAGE, chunk_tokens=chunk)
+    c_lat = paged.load(fmt, pools, "latent", tbl, jnp.float32)
+    c_rope = paged.load(fmt, pools, "rope", tbl, jnp.float32)
+    mask = jnp.arange(width * PAGE)[None, :] < cl[:, None]
+    want = attention.mla_attention(ql, qr, c_lat, c_rope, mask, nl, nr, causal, 0.2)
+    valid = np.arange(t)[None, :] < np.asarray(new_lens)[:, None]  # [B, T]: real new tokens
+    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=2e-5, rtol=1e-5)
+    assert np.isfinite(np.asarray(got)).all()
