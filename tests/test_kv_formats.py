@@ -58,3 +58,19 @@ def test_gqa_layout_roundtrip():
     back = paged.load(fmt, pools, "k", table, jnp.float32, headed=True)  # [B, KVH, 8, D]
     got = np.take(np.asarray(back[0]), [0, 1, 4], axis=1).transpose(1, 0, 2)  # [T, KVH, D]
     np.testing.assert_allclose(got, np.asarray(vals[0]), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("name,container", [("bf16", np.uint16), ("fp8_e4m3", np.uint8), ("float32", np.float32)])
+def test_pools_hold_the_formats_bits_in_an_integer_container(name, container):
+    """Sub-32-bit pools are unsigned-int containers (XLA:CPU scatters into them in place);
+    the bits written are exactly the format's quantized values."""
+    fmt = get_kv_format(name)
+    pools = paged.new_pool(fmt, (5, 4, 8), "x")
+    assert pools["x"].dtype == container
+    vals = jnp.asarray(np.random.RandomState(2).randn(1, 2, 8).astype(np.float32))
+    pools = paged.store(fmt, pools, "x", vals, jnp.array([[3, 3]]), jnp.array([[1, 2]]))
+    q, _ = fmt.quantize(vals)
+    stored = paged.values_view(pools["x"], fmt)[3, 1:3]
+    assert stored.dtype == fmt.dtype
+    np.testing.assert_array_equal(np.asarray(stored.astype(jnp.float32)), np.asarray(q[0].astype(jnp.float32)))
+    assert not np.asarray(paged.values_view(pools["x"], fmt)[:3].astype(jnp.float32)).any()  # other pages untouched

@@ -10,12 +10,34 @@ JAX gather/scatter clip or wrap out-of-range indices. Every index computed here 
 an explicit out-of-range sentinel (P) and written with ``mode="drop"``, so a bad page id or a
 position past the page table drops the write instead of landing in somebody else's page.
 Reads go through the page tracker's check (engine side), which fails such rows closed.
+
+Pools of a sub-32-bit float format (bf16, fp8) are held in an unsigned-integer container of
+the same width and bit-cast at the edges (``storage_dtype``): XLA:CPU updates an integer pool
+in place, but widens a bf16/fp8 pool to float32 and back around every scatter, which is a
+full copy of the pool per layer per step. The bits stored are exactly the format's.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jaxserve.kv.formats import KVFormat
+
+
+def storage_dtype(fmt: KVFormat):
+    """The pool's array dtype: the format's own for 32-bit formats, else uint8/uint16 of the same width."""
+    size = jnp.dtype(fmt.dtype).itemsize
+    return fmt.dtype if size >= 4 else {1: jnp.uint8, 2: jnp.uint16}[size]
+
+
+def _to_pool(values, pool_dtype):
+    """Format-dtype values -> the pool's container dtype (a bit cast, no rounding)."""
+    return values if values.dtype == pool_dtype else jax.lax.bitcast_convert_type(values, pool_dtype)
+
+
+def values_view(pool, fmt: KVFormat):
+    """A pool (or gathered part of one) as the format's dtype: bit-cast back from the container."""
+    return pool if pool.dtype == jnp.dtype(fmt.dtype) else jax.lax.bitcast_convert_type(pool, fmt.dtype)
 
 
 def token_slots(page_table, positions, valid, page_size: int, num_pages: int):
@@ -34,12 +56,12 @@ def token_slots(page_table, positions, valid, page_size: int, num_pages: int):
 
 def write_tokens(pool, values, page, offset):
     """pool [P, S, X] <- values [B, T, X] at (page, offset) [B, T]; out-of-range pages dropped."""
-    return pool.at[page, offset].set(values.astype(pool.dtype), mode="drop")
+    return pool.at[page, offset].set(_to_pool(values, pool.dtype), mode="drop")
 
 
 def write_tokens_headed(pool, values, page, offset):
     """pool [H, P, S, D] <- values [B, T, H, D] (GQA layout)."""
-    v = jnp.moveaxis(values, 2, 0).astype(pool.dtype)  # [H, B, T, D]
+    v = _to_pool(jnp.moveaxis(values, 2, 0), pool.dtype)  # [H, B, T, D]
     return pool.at[:, page, offset].set(v, mode="drop")
 
 
@@ -68,7 +90,7 @@ def gather_rows_headed(pool, page_table):
 
 def store(fmt: KVFormat, pools: dict, name: str, values, page, offset, headed: bool = False) -> dict:
     """Quantize `values` with `fmt` and write values (+ scales) into pools[name] (+ name_scale)."""
-    q, scale = fmt.quantize(values)
+    q, scale = fmt.quantize(values)  # q in fmt.dtype; written as the pool's container
     out = dict(pools)
     if headed:
         out[name] = write_tokens_headed(pools[name], q, page, offset)
@@ -84,7 +106,7 @@ def store(fmt: KVFormat, pools: dict, name: str, values, page, offset, headed: b
 def load(fmt: KVFormat, pools: dict, name: str, page_table, dtype, headed: bool = False):
     """Gather a row's pages for pools[name] and dequantize -> [B, C, X] or [B, H, C, D]."""
     gather = gather_rows_headed if headed else gather_rows
-    q = gather(pools[name], page_table)
+    q = values_view(gather(pools[name], page_table), fmt)
     scale = gather(pools[name + "_scale"], page_table) if fmt.scaled else None
     return fmt.dequantize(q, scale, dtype)
 
@@ -101,14 +123,14 @@ def load_chunk(fmt: KVFormat, pools: dict, name: str, page_chunk, dtype, headed:
         c, s = g.shape[lead], g.shape[lead + 1]
         return g.reshape(g.shape[:lead] + (c * s,) + g.shape[lead + 2:])
 
-    q = gather(pools[name])
+    q = values_view(gather(pools[name]), fmt)
     scale = gather(pools[name + "_scale"]) if fmt.scaled else None
     return fmt.dequantize(q, scale, dtype)
 
 
 def new_pool(fmt: KVFormat, shape: tuple[int, ...], name: str) -> dict:
     """Zeroed storage for one cached tensor: values `shape` (+ float32 scales shape[:-1])."""
-    pools = {name: jnp.zeros(shape, fmt.dtype)}
+    pools = {name: jnp.zeros(shape, storage_dtype(fmt))}  # all-zero bits = 0.0 in every format
     if fmt.scaled:
         pools[name + "_scale"] = jnp.zeros(shape[:-1], jnp.float32)
     return pools

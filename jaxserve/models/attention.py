@@ -195,13 +195,13 @@ def mla_attention_paged(q_lat, q_rope, kv, fmt, page_table, cached_lens, new_lat
 BACKENDS = ("xla", "pallas", "pallas_interpret")
 
 
-def mla_decode_pallas(q_lat, q_rope, kv, new_lat, new_rope, step, scale: float, interpret: bool):
+def mla_decode_pallas(q_lat, q_rope, kv, fmt, new_lat, new_rope, step, scale: float, interpret: bool):
     """q_lat [B, 1, H, R], q_rope [B, 1, H, Dr], new_lat [B, 1, R], new_rope [B, 1, Dr] -> [B, 1, H, R]."""
     from pallas_kernels.paged_attention import merge_attention, paged_attention_mla
 
     ql, qr = q_lat[:, 0], q_rope[:, 0]
     out_p, lse_p = paged_attention_mla(
-        ql, qr, kv["latent"], kv["rope"], kv.get("latent_scale"), kv.get("rope_scale"),
+        ql, qr, paged.values_view(kv["latent"], fmt), paged.values_view(kv["rope"], fmt), kv.get("latent_scale"), kv.get("rope_scale"),
         step.page_table, step.cached_lens, scale=scale, interpret=interpret,
     )
     s_new = (jnp.einsum("bhr,br->bh", ql, new_lat[:, 0]) + jnp.einsum("bhd,bd->bh", qr, new_rope[:, 0])) * scale
@@ -211,7 +211,7 @@ def mla_decode_pallas(q_lat, q_rope, kv, new_lat, new_rope, step, scale: float, 
     return out[:, None]
 
 
-def gqa_decode_pallas(q, kv, new_k, new_v, step, scale: float, interpret: bool):
+def gqa_decode_pallas(q, kv, fmt, new_k, new_v, step, scale: float, interpret: bool):
     """q [B, 1, H, D], new_k/new_v [B, 1, K, D] -> [B, 1, H, D]."""
     from pallas_kernels.paged_attention import merge_attention, paged_attention_gqa
 
@@ -219,7 +219,7 @@ def gqa_decode_pallas(q, kv, new_k, new_v, step, scale: float, interpret: bool):
     b, h, d = q1.shape
     k = new_k.shape[2]
     out_p, lse_p = paged_attention_gqa(
-        q1, kv["k"], kv["v"], kv.get("k_scale"), kv.get("v_scale"), step.page_table, step.cached_lens,
+        q1, paged.values_view(kv["k"], fmt), paged.values_view(kv["v"], fmt), kv.get("k_scale"), kv.get("v_scale"), step.page_table, step.cached_lens,
         scale=scale, interpret=interpret,
     )
     kn = jnp.repeat(new_k[:, 0], h // k, axis=1)  # [B, H, D]: each query head's KV head

@@ -58,7 +58,7 @@ class MLAttention(nnx.Module):
         q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, kv_b[..., :nope])  # absorb W_uk
         if backend != "xla" and x.shape[1] == 1:  # decode: the paged half in the Pallas kernel
             out_lat = mla_decode_pallas(
-                q_lat, q_rope, kv, lat, k_rope, step, cfg.softmax_scale, backend == "pallas_interpret"
+                q_lat, q_rope, kv, fmt, lat, k_rope, step, cfg.softmax_scale, backend == "pallas_interpret"
             )
         else:
             out_lat = mla_attention_paged(

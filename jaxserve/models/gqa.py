@@ -60,7 +60,7 @@ class GQAttention(nnx.Module):
         kv = paged.store(fmt, kv, "k", k, page, off, headed=True)
         kv = paged.store(fmt, kv, "v", v, page, off, headed=True)
         if backend != "xla" and x.shape[1] == 1:  # decode: the paged half in the Pallas kernel
-            out = gqa_decode_pallas(q, kv, k, v, step, cfg.softmax_scale, backend == "pallas_interpret")
+            out = gqa_decode_pallas(q, kv, fmt, k, v, step, cfg.softmax_scale, backend == "pallas_interpret")
         else:
             out = gqa_attention_paged(
                 q, kv, fmt, step.page_table, step.cached_lens, k, v, step.causal_mask(), cfg.softmax_scale, page_size
