@@ -45,6 +45,26 @@ def pow2_buckets(lo: int, hi: int) -> list[int]:
     return out + [bucket(hi)]
 
 
+def token_buckets(lo: int, hi: int) -> list[int]:
+    """Prefill token-count buckets: the powers of two from ``lo`` up to cover ``hi``, plus the
+    3/4 point below each one from 64 on (48, 96, 192, ...), which cuts the padding of a chunk
+    just past a power of two (a 70-token prompt pads to 96, not 128)."""
+    out = set()
+    for b in pow2_buckets(lo, hi):
+        out.add(b)
+        if b >= 64 and b * 3 // 4 >= lo:
+            out.add(b * 3 // 4)
+    return sorted(out)
+
+
+def pick_bucket(n: int, buckets: list[int]) -> int:
+    """The smallest bucket >= n (buckets sorted); an n past the last is a caller bug."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
 @dataclasses.dataclass
 class StepResult:
     logits: jax.Array  # f32 [B, V] at each row's last new token (padded rows included)

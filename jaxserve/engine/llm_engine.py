@@ -23,7 +23,7 @@ from jaxserve.engine.sampler import sample_rows
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig
 from jaxserve.engine.sequence import Sequence
-from jaxserve.runner import ModelRunner, bucket, pow2_buckets
+from jaxserve.runner import ModelRunner, bucket, pick_bucket, pow2_buckets, token_buckets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +92,8 @@ class LLMEngine:
             attention_backend=config.attention_backend or default_attention_backend(),
         )
         self.pool_tokens = pool_tokens
+        # Prefill programs: rows in powers of two, tokens in token_buckets (compiled at warm-up).
+        self.prefill_token_buckets = token_buckets(16, min(config.prefill_chunk, config.max_num_batched_tokens))
         self.stats = TrackerStats()
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -151,7 +153,7 @@ class LLMEngine:
         if sched.prefill:
             chunks = [c for c in sched.prefill if not c.seq.finished]
             rows = [(c.seq, c.seq.all_ids[c.start : c.start + c.num_tokens], c.start) for c in chunks]
-            t = bucket(max(len(r[1]) for r in rows), 16)
+            t = pick_bucket(max(len(r[1]) for r in rows), self.prefill_token_buckets)
             res = self._run("prefill", rows, bucket(len(rows)), t)
             to_sample = []
             for i, c in enumerate(chunks):
@@ -316,7 +318,7 @@ class LLMEngine:
         logprob variants compile on first use)."""
         c = self.config
         decode = pow2_buckets(1, c.max_num_seqs)
-        prefill_t = pow2_buckets(16, min(c.prefill_chunk, c.max_num_batched_tokens))
+        prefill_t = self.prefill_token_buckets
         prefill_b = pow2_buckets(1, c.max_prefill_seqs)
         prefill = [(b, t) for b in prefill_b for t in prefill_t]
         self.runner.warmup(decode, prefill)

@@ -5,7 +5,7 @@ import pytest
 
 from jaxserve import LLM
 from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.runner import RecompilationError
+from jaxserve.runner import RecompilationError, pick_bucket, token_buckets
 
 RNG = np.random.RandomState(11)
 PROMPTS = [[int(x) for x in RNG.randint(2, 256, size=n)] for n in (5, 23, 12, 40, 9, 31)]
@@ -146,8 +146,20 @@ def test_bad_requests_are_refused_and_lose_nothing(llm):
         SamplingParams(max_tokens=0)
 
 
+def test_prefill_token_buckets():
+    assert token_buckets(16, 128) == [16, 32, 48, 64, 96, 128]
+    assert token_buckets(16, 100) == [16, 32, 48, 64, 96, 128]  # covers a chunk that is not a power of two
+    assert token_buckets(16, 16) == [16]
+    assert [pick_bucket(n, token_buckets(16, 128)) for n in (1, 16, 17, 33, 49, 65, 97, 128)] == \
+        [16, 16, 32, 48, 64, 96, 128, 128]
+    with pytest.raises(ValueError):
+        pick_bucket(129, token_buckets(16, 128))
+
+
 def test_no_compilation_after_warmup(tiny_ckpt):
-    llm = LLM(tiny_ckpt, kv_format="fp8_e4m3", **SMALL)
+    # prefill_chunk 64: token buckets 16/32/48/64, so the 40-token prompt runs in the 48 bucket.
+    llm = LLM(tiny_ckpt, kv_format="fp8_e4m3", **dict(SMALL, prefill_chunk=64))
+    assert llm.engine.prefill_token_buckets == [16, 32, 48, 64]
     llm.warmup()
     llm.runner.strict = True
     mixed = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 12, 7, 20, 1, 9)]
