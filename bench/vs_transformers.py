@@ -38,6 +38,10 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(32, 96), metavar=("MIN", "MAX"),
                     help="prompt lengths, uniform per request (random token ids)")
     ap.add_argument("--output-len", type=int, default=64, help="new tokens per request (both sides)")
+    ap.add_argument("--output-len-range", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                    help="instead of --output-len: each request its own output length, uniform in [MIN, MAX] "
+                         "(a serving mix). transformers' one generate call runs every row to the batch's "
+                         "longest output; only each request's own tokens are counted, on both sides")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions per side and batch")
     ap.add_argument("--kv-format", default="float32", help="jaxserve KV pages: float32 (as transformers) | bf16 | fp8_e4m3")
     ap.add_argument("--page-size", type=int, default=16)
@@ -92,7 +96,8 @@ def main(argv=None) -> int:
 
         args.model = str(default_model_dir())
     batches = [int(b) for b in args.batches.split(",")]
-    n_out = args.output_len
+    out_range = tuple(args.output_len_range) if args.output_len_range else (args.output_len, args.output_len)
+    n_out = out_range[1]  # the longest output any request asks for
     max_len = fitted_max_model_len(args.prompt_len[1] + n_out, args.page_size)
     pages_per_seq = -(-(args.prompt_len[1] + n_out) // args.page_size)
     t0 = time.perf_counter()
@@ -109,14 +114,14 @@ def main(argv=None) -> int:
     pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     print(f"loaded jaxserve in {t1 - t0:.1f}s, transformers in {t2 - t1:.1f}s; torch threads {thread_counts} "
           f"(default {default_threads}), kv {llm.fmt.name}, machine load {os.getloadavg()[0]:.1f}", flush=True)
-    sp = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
 
     # Where jaxserve's time goes in each call: its prefill and decode programs (runner.step
     # already waits for its program: it reads the integrity flags back), and the host rest.
     split: list[dict] = []
     runner_step = llm.runner.step
 
-    def run_jaxserve(prompts):
+    def run_jaxserve(prompts, out_lens):
+        sp = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in out_lens]
         spent = {"prefill": 0.0, "decode": 0.0, "decode_steps": 0}
 
         def timed(phase, *a, **kw):
@@ -133,12 +138,13 @@ def main(argv=None) -> int:
             dt = time.perf_counter() - t
         finally:
             del llm.runner.step
-        assert all(len(o) == n_out for o in outs)
+        assert [len(o) for o in outs] == list(out_lens)
         split.append(dict(spent, host=dt - spent["prefill"] - spent["decode"]))
         return dt, [list(o) for o in outs]
 
-    def run_transformers(prompts, threads):
+    def run_transformers(prompts, out_lens, threads):
         torch.set_num_threads(threads)
+        longest = max(out_lens)  # one generate call: every row runs to the batch's longest output
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -148,23 +154,24 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         with torch.inference_mode():
             out = hf.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=n_out, min_new_tokens=n_out,
+                input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
                 do_sample=False, pad_token_id=pad_id, top_p=None, top_k=None, temperature=None,
             )
         dt = time.perf_counter() - t
         gen = out[:, width:].tolist()
-        assert all(len(g) == n_out for g in gen)
-        return dt, gen
+        assert all(len(g) == longest for g in gen)
+        return dt, [g[:n] for g, n in zip(gen, out_lens)]  # each request's own tokens
 
     sides = {"jaxserve": run_jaxserve}
     for n in thread_counts:
-        sides[f"transformers_{n}t"] = lambda prompts, n=n: run_transformers(prompts, n)
+        sides[f"transformers_{n}t"] = lambda prompts, out_lens, n=n: run_transformers(prompts, out_lens, n)
     hf_sides = [name for name in sides if name != "jaxserve"]
     rows = []
     for b in batches:
-        work = make_workload(b, tuple(args.prompt_len), (n_out, n_out), llm.cfg.vocab_size, seed=args.seed + b)
+        work = make_workload(b, tuple(args.prompt_len), out_range, llm.cfg.vocab_size, seed=args.seed + b)
         prompts = [r.prompt_ids for r in work]
-        warm = {name: fn(prompts) for name, fn in sides.items()}  # untimed: compile / warm up
+        out_lens = [r.max_tokens for r in work]
+        warm = {name: fn(prompts, out_lens) for name, fn in sides.items()}  # untimed: compile / warm up
         times = {name: [] for name in sides}
         outputs = {name: warm[name][1] for name in sides}
         split.clear()
@@ -172,18 +179,19 @@ def main(argv=None) -> int:
             for rep in range(args.reps):
                 order = list(sides) if rep % 2 == 0 else list(sides)[::-1]  # A B C, C B A, ...
                 for name in order:
-                    dt, toks = sides[name](prompts)
+                    dt, toks = sides[name](prompts, out_lens)
                     times[name].append(dt)
                     if toks != outputs[name]:
                         print(f"  note: {name} greedy output changed between repetitions", file=sys.stderr)
-        tokens = b * n_out
+        tokens = sum(out_lens)  # useful tokens: what the requests asked for
         tps = {name: [tokens / t for t in ts] for name, ts in times.items()}
         med = {name: median(v) for name, v in tps.items()}
         best = max(hf_sides, key=lambda name: med[name])  # transformers at its best thread count
         paired = [j / h for j, h in zip(tps["jaxserve"], tps[best])]
         agree = agreement(outputs["jaxserve"], outputs[best])
         row = dict(
-            batch=b, output_tokens_per_call=tokens,
+            batch=b, output_tokens_per_call=tokens, output_len_range=list(out_range),
+            transformers_tokens_computed_per_call=b * max(out_lens),
             prompt_tokens_per_call=sum(len(p) for p in prompts),
             tok_s_median=med, tok_s_all=tps,
             transformers_best=best,

@@ -90,6 +90,12 @@ def _context_loop(page_table, cached_lens, page_size: int, cp: int, init, update
     if n_total * cp != m:
         page_table = jnp.pad(page_table, ((0, 0), (0, n_total * cp - m)))
     ct = cp * page_size
+    if n_total == 1:
+        # One chunk spans the table: straight-line code. (A loop of at most one trip is
+        # simplified by XLA anyway, and then it may fuse the step's one-token KV write into
+        # this gather, which costs whole-pool copies; a plain gather after the write does not.)
+        pos = jnp.arange(ct, dtype=jnp.int32)
+        return update(page_table, pos[None, :] < cached_lens[:, None], init)
     n = jnp.minimum((jnp.max(cached_lens) + ct - 1) // ct, n_total)
 
     def body(i, carry):
