@@ -6,6 +6,7 @@ Lowering does not run the Triton compiler, so rules it would only enforce on the
 dims >= 16, one dtype per dot, no fp8 operand) are checked on the kernel jaxpr as well.
 Shapes are production-like (GLM-4.6 GQA, Kimi K2 MLA and experts), given as ShapeDtypeStructs.
 """
+import contextlib
 import functools
 
 import jax
@@ -88,10 +89,22 @@ def _kernel_dots(jaxpr, in_kernel=False):
             yield from _kernel_dots(sub, inside)
 
 
+def _target_gpu():
+    """Newer jax (0.12) reads the target GPU's compute capability from the device, and on a
+    host without one from an abstract device set with ``use_abstract_mesh``; older jax needs
+    nothing. The target is the production GPU, an H200."""
+    if not hasattr(jax.sharding, "AbstractDevice"):
+        return contextlib.nullcontext()
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_lowers_for_cuda_with_triton(name):
     f, args = CASES[name]
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with _target_gpu():
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert TRITON_CALL in text, "expected a Triton custom call (not Mosaic GPU)"
     assert "mosaic_gpu" not in text
 
