@@ -13,8 +13,8 @@ bytes / bandwidth. This script measures, interleaved in one run:
 
 and reports achieved GB/s = (weight bytes + KV bytes read at the mean decode context) / step
 time, and that as a fraction of the copy bandwidth. "KV bytes" is what attention needs (the
-context's tokens); the engine may gather more (its page tables are max_model_len wide), which
-is reported separately as the gathered bytes.
+context's tokens); the engine gathers whole chunks of pages up to the longest context (or the
+whole page table when one chunk spans it), which is reported separately as the gathered bytes.
 
     .venv/bin/python bench/bandwidth.py --json bench/results/bandwidth.json
     .venv/bin/python bench/bandwidth.py --variants float32 --engine-default-len   # + the engine's default context
@@ -134,6 +134,7 @@ def decode_step_times(llm, prompt: list[int], n: int) -> tuple[list[float], list
 def main(argv=None) -> int:
     args = parse_args(argv)
     from jaxserve import LLM
+    from jaxserve.models.attention import gathered_slots
     from jaxserve.bench.measure import CompileWatch, machine_info, median, write_json
     from jaxserve.bench.offline import fitted_max_model_len
     from jaxserve.bench.workload import make_workload
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
         w = weight_bytes(llm)
         kv_tok = kv_bytes_per_token(llm)
         need = w + kv_tok * mean_ctx
-        gathered = w + kv_tok * llm.runner.max_pages_per_seq * args.page_size
+        gathered = w + kv_tok * gathered_slots(llm.runner.max_pages_per_seq, args.page_size, int(mean_ctx))
         step = median(steps[name])
         prog = median(program[name])
         row = dict(
@@ -208,7 +209,7 @@ def main(argv=None) -> int:
             f"(ctx {mean_ctx:.0f}) per step; step {r['step_s_median'] * 1e3:.1f} ms = {r['decode_tok_s']:.1f} tok/s "
             f"(device program {r['device_program_s_median'] * 1e3:.1f} ms); achieved {r['achieved_gb_s']:.2f} GB/s = "
             f"{r['fraction_of_copy_bw']:.1%} of copy bandwidth (device program alone {r['device_only_fraction']:.1%}); "
-            f"with the KV gather at page-table width {r['page_table_width']} it reads "
+            f"with the KV gathered in whole chunks (page table {r['page_table_width']} pages wide) it reads "
             f"{r['bytes_gathered_per_step'] / 1e6:.1f} MB/step",
             flush=True,
         )

@@ -2,8 +2,9 @@
 the jitted programs.
 
 Two serving programs, ``prefill`` and ``decode``, each jitted separately, once per padding
-bucket (batch rows x new tokens; the page-table width is fixed to the longest sequence),
-with the KV pools donated so they are updated in place. Each program first runs the page
+bucket (batch rows x new tokens; the page-table width is fixed to the longest sequence, and
+attention reads pages only up to the batch's longest context, so a wide table costs nothing
+until it is used), with the KV pools donated so they are updated in place. Each program first runs the page
 tracker's batched check on every row's page table; a failing row is redirected to the null
 page and writes nothing, and the caller aborts its request.
 

@@ -134,6 +134,7 @@ def newest_dump(dump_dir: str, pattern: str) -> str | None:
 # ---------------------------------------------------------------------- measuring
 def profile_batch(args, batch: int, dump_dir: str) -> dict:
     import jax
+    import numpy as np
 
     from jaxserve import LLM
     from jaxserve.bench.measure import median
@@ -205,13 +206,16 @@ def profile_batch(args, batch: int, dump_dir: str) -> dict:
         program_ms_by_category={k: v / op_total * prog_s * 1e3 for k, v in by_cat.items()},
         top_ops=[dict(op=op, category=cats.get(op, classify(op, "")), share=us / op_total) for op, us in top_ops],
         trace_dir=trace_dir, hlo_dump=hlo_file,
-        kv_gathered_mb_per_step=_gathered_mb(llm, batch),
+        kv_gathered_mb_per_step=_gathered_mb(llm, batch, int(np.max(last["args"][2]))),
     )
 
 
-def _gathered_mb(llm, batch: int) -> float:
-    """MB of KV pages the decode program gathers per step (the page table's whole width)."""
-    slots = llm.runner.max_pages_per_seq * llm.page_size
+def _gathered_mb(llm, batch: int, context: int) -> float:
+    """MB of KV pages the decode program gathers per step: whole chunks of pages up to the
+    batch's longest context (the whole table when one chunk spans it)."""
+    from jaxserve.models.attention import gathered_slots
+
+    slots = gathered_slots(llm.runner.max_pages_per_seq, llm.page_size, context)
     per_slot = sum(p.nbytes for layer in llm.runner.kv for p in layer.values()) / (llm.num_pages * llm.page_size)
     return batch * slots * per_slot / 1e6
 

@@ -78,6 +78,17 @@ def chunk_pages(page_size: int, width: int, chunk_tokens: int = CHUNK_TOKENS) ->
     return max(1, min(width, chunk_tokens // page_size))
 
 
+def gathered_slots(width: int, page_size: int, context: int, chunk_tokens: int = CHUNK_TOKENS) -> int:
+    """Context slots per row the XLA path gathers when the batch's longest cached context is
+    ``context`` and the page table is ``width`` pages wide (for benchmarks' byte counts)."""
+    cp = chunk_pages(page_size, width, chunk_tokens)
+    n_total = -(-width // cp)
+    if n_total == 1:
+        return width * page_size
+    ct = cp * page_size
+    return min(-(-context // ct), n_total) * ct
+
+
 def _context_loop(page_table, cached_lens, page_size: int, cp: int, init, update):
     """Run ``update(page_chunk [B, cp], slot_mask [B, cp*S], carry)`` over the page table in
     chunks of ``cp`` pages, for as many chunks as the longest cached context needs.
