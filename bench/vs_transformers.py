@@ -18,8 +18,15 @@ transformers gets one ``generate`` call over the whole batch with left padding a
 attention mask (its batched path); jaxserve gets the batch through ``LLM.generate`` with
 max_num_seqs >= batch, prefix caching off (a repetition must not reuse the previous one's KV).
 
+Serving mixes: ``--output-len-range MIN MAX`` gives each request its own output length (both
+sides count only the tokens each request asked for; transformers' generate call still runs every
+row to its batch's longest output), and ``--requests N`` serves N requests through B slots
+(transformers: consecutive generate calls of B; jaxserve: max_num_seqs = B, freed slots refilled
+at once by continuous batching).
+
     .venv/bin/python bench/vs_transformers.py --json bench/results/vs_transformers.json
     .venv/bin/python bench/vs_transformers.py --batches 1,8,32 --output-len 64 --reps 5
+    .venv/bin/python bench/vs_transformers.py --batches 32 --requests 128 --output-len-range 16 128
 """
 from __future__ import annotations
 
@@ -42,6 +49,10 @@ def parse_args(argv=None):
                     help="instead of --output-len: each request its own output length, uniform in [MIN, MAX] "
                          "(a serving mix). transformers' one generate call runs every row to the batch's "
                          "longest output; only each request's own tokens are counted, on both sides")
+    ap.add_argument("--requests", type=int, default=0,
+                    help="serve this many requests through B slots (one --batches value): transformers runs "
+                         "them as consecutive generate calls of B, jaxserve gets all at once with "
+                         "max_num_seqs = B (continuous batching refills freed slots). 0: one batch of B")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions per side and batch")
     ap.add_argument("--kv-format", default="float32", help="jaxserve KV pages: float32 (as transformers) | bf16 | fp8_e4m3")
     ap.add_argument("--page-size", type=int, default=16)
@@ -96,6 +107,8 @@ def main(argv=None) -> int:
 
         args.model = str(default_model_dir())
     batches = [int(b) for b in args.batches.split(",")]
+    if args.requests and len(batches) != 1:
+        raise SystemExit("--requests takes exactly one --batches value (the number of slots)")
     out_range = tuple(args.output_len_range) if args.output_len_range else (args.output_len, args.output_len)
     n_out = out_range[1]  # the longest output any request asks for
     max_len = fitted_max_model_len(args.prompt_len[1] + n_out, args.page_size)
@@ -144,6 +157,13 @@ def main(argv=None) -> int:
 
     def run_transformers(prompts, out_lens, threads):
         torch.set_num_threads(threads)
+        if len(prompts) > slots:  # consecutive generate calls of `slots` requests each
+            t, gen = 0.0, []
+            for i in range(0, len(prompts), slots):
+                dt, g = run_transformers(prompts[i: i + slots], out_lens[i: i + slots], threads)
+                t += dt
+                gen += g
+            return t, gen
         longest = max(out_lens)  # one generate call: every row runs to the batch's longest output
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -168,12 +188,15 @@ def main(argv=None) -> int:
     hf_sides = [name for name in sides if name != "jaxserve"]
     rows = []
     for b in batches:
-        work = make_workload(b, tuple(args.prompt_len), out_range, llm.cfg.vocab_size, seed=args.seed + b)
+        slots = b
+        n_req = args.requests or b
+        work = make_workload(n_req, tuple(args.prompt_len), out_range, llm.cfg.vocab_size, seed=args.seed + b)
         prompts = [r.prompt_ids for r in work]
         out_lens = [r.max_tokens for r in work]
-        warm = {name: fn(prompts, out_lens) for name, fn in sides.items()}  # untimed: compile / warm up
+        # untimed: compile / warm up (on the first B requests)
+        warm = {name: fn(prompts[:b], out_lens[:b]) for name, fn in sides.items()}
         times = {name: [] for name in sides}
-        outputs = {name: warm[name][1] for name in sides}
+        outputs = {name: warm[name][1] if n_req == b else None for name in sides}
         split.clear()
         with CompileWatch() as compiles:
             for rep in range(args.reps):
@@ -181,7 +204,9 @@ def main(argv=None) -> int:
                 for name in order:
                     dt, toks = sides[name](prompts, out_lens)
                     times[name].append(dt)
-                    if toks != outputs[name]:
+                    if outputs[name] is None:
+                        outputs[name] = toks
+                    elif toks != outputs[name]:
                         print(f"  note: {name} greedy output changed between repetitions", file=sys.stderr)
         tokens = sum(out_lens)  # useful tokens: what the requests asked for
         tps = {name: [tokens / t for t in ts] for name, ts in times.items()}
@@ -190,8 +215,9 @@ def main(argv=None) -> int:
         paired = [j / h for j, h in zip(tps["jaxserve"], tps[best])]
         agree = agreement(outputs["jaxserve"], outputs[best])
         row = dict(
-            batch=b, output_tokens_per_call=tokens, output_len_range=list(out_range),
-            transformers_tokens_computed_per_call=b * max(out_lens),
+            batch=b, requests=n_req, output_tokens_per_call=tokens, output_len_range=list(out_range),
+            transformers_tokens_computed_per_call=sum(
+                len(out_lens[i: i + b]) * max(out_lens[i: i + b]) for i in range(0, n_req, b)),
             prompt_tokens_per_call=sum(len(p) for p in prompts),
             tok_s_median=med, tok_s_all=tps,
             transformers_best=best,
@@ -206,7 +232,7 @@ def main(argv=None) -> int:
         rows.append(row)
         hf_txt = ", ".join(f"{name} {med[name]:.1f}" for name in hf_sides)
         print(
-            f"batch {b:3d}: jaxserve {med['jaxserve']:.1f} tok/s | {hf_txt} tok/s | jaxserve / {best} "
+            f"batch {b:3d}{f' ({n_req} requests)' if n_req != b else ''}: jaxserve {med['jaxserve']:.1f} tok/s | {hf_txt} tok/s | jaxserve / {best} "
             f"{row['ratio_vs_best_transformers']:.2f}x (paired median {row['median_paired_ratio_vs_best']:.2f}x) | "
             f"greedy agreement: tokens {agree['token_match']:.1%}, prefix {agree['mean_prefix_match']:.1%}, "
             f"identical {agree['identical_outputs']}/{agree['outputs']} | compiles in timed reps {compiles.count}",

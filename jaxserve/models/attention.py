@@ -70,7 +70,7 @@ def gqa_attention(q, ctx_k, ctx_v, ctx_mask, new_k, new_v, causal, scale: float)
 
 
 # ----------------------------------------------------------------------------- chunked paged
-CHUNK_TOKENS = 256  # context tokens read per loop iteration (rounded to whole pages)
+CHUNK_TOKENS = 64  # context tokens read per loop iteration (rounded to whole pages)
 
 
 def chunk_pages(page_size: int, width: int, chunk_tokens: int = CHUNK_TOKENS) -> int:

@@ -117,7 +117,8 @@ def test_mla_chunked_equals_one_shot(case, fmt_name):
 def test_gathered_slots_follow_the_longest_context():
     # 16-token pages, 256-token chunks: a 16-page table is one chunk (read whole); a 512-page
     # table (8k context) is read only as far as the longest context, in whole chunks.
-    assert attention.gathered_slots(16, 16, 152) == 256
-    assert attention.gathered_slots(512, 16, 152) == 256
-    assert attention.gathered_slots(512, 16, 300) == 512
-    assert attention.gathered_slots(512, 16, 10 ** 6) == 512 * 16
+    assert attention.gathered_slots(16, 16, 152, chunk_tokens=256) == 256
+    assert attention.gathered_slots(512, 16, 152, chunk_tokens=256) == 256
+    assert attention.gathered_slots(512, 16, 300, chunk_tokens=256) == 512
+    assert attention.gathered_slots(512, 16, 10 ** 6, chunk_tokens=256) == 512 * 16
+    assert attention.gathered_slots(16, 16, 152, chunk_tokens=64) == 192
