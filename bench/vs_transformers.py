@@ -4,7 +4,8 @@ lengths, side by side in one run.
 Both run the same checkpoint in float32 (default: the embedded SmolLM2-135M-Instruct), greedy,
 EOS ignored (transformers: ``min_new_tokens = max_new_tokens``), so both produce exactly
 batch x output-len tokens. At each batch size (default 1 and 32): one untimed call of each
-(warm-up: jaxserve compiles the shapes this batch needs; torch warms its kernels), then
+(warm-up: torch warms its kernels; jaxserve has compiled every serving bucket at load, as a
+server does), then
 ``--reps`` timed repetitions interleaved A B C, C B A, ... so machine noise hits all alike.
 Each call's tokens/s = output tokens / wall time of the whole call (prefill included).
 
@@ -121,6 +122,7 @@ def main(argv=None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
         integrity_check=not args.no_integrity_check,
     )
+    llm.warmup()  # every serving bucket compiled now, as a server does before taking traffic
     t1 = time.perf_counter()
     hf = LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     t2 = time.perf_counter()

@@ -234,6 +234,14 @@ class ModelRunner:
                 z = np.zeros((b,), np.int32)
                 self.step(phase, np.zeros((b, t), np.int32), z, z, np.zeros((b, m), np.int32),
                           np.zeros((b, m), np.int32), z)
+        if self.tracker.enabled:  # the generation update, at every padded size a step can need
+            size = 8
+            while True:
+                z = jnp.zeros((size,), jnp.int32)
+                self.generation = self._apply_updates_fn()(self.generation, z, z)  # count 0: a no-op
+                if size >= self.num_pages:
+                    break
+                size *= 2
         self.warm = True
 
 

@@ -5,8 +5,8 @@ draw. Greedy rows (temperature 0) take the argmax of the penalised logits. Retur
 are those of the model's raw distribution.
 
 The draw is Gumbel-max with the noise indexed by token id: row b's key is
-``fold_in(key(seed), n)`` (n = tokens the request has generated so far), token v's noise is
-``gumbel(fold_in(key, v))``, and the row takes the kept
+``fold_in(key(seed), n)`` (n = tokens the request has generated so far), ``gumbel(key, (V,))``
+gives every token of the vocabulary its noise, and the row takes the kept
 token with the largest ``logit / T + g``, which samples exactly from the renormalised kept
 distribution. Because the noise belongs to the token id, not to a position in some sorted
 order, the token depends only on the row's own logits, parameters, seed and n: the same
@@ -17,9 +17,8 @@ Finding the kept set needs the tokens in descending order, but a full vocabulary
 far the dearest part of sampling (~100 ms for 8 rows of 49k on a CPU). So the fast path
 takes the top ``num_candidates`` tokens (``lax.top_k``) and proves, per row, that nothing
 past them can be kept: top-k <= candidates, or the candidates' cumulative probability
-already reaches top-p, or the last candidate is already below the min-p cut-off; noise is
-drawn for the candidates only. Rows that truncate nothing (no top-k, top-p 1, min-p 0) draw
-over the whole vocabulary directly (noise for every token, only when such a row exists). Only
+already reaches top-p, or the last candidate is already below the min-p cut-off. Rows that
+truncate nothing (no top-k, top-p 1, min-p 0) draw over the whole vocabulary directly. Only
 if some row can be proven neither way does the batch take the full sort (a ``lax.cond``, so
 the sort runs only then).
 """
@@ -33,15 +32,12 @@ import jax.numpy as jnp
 NUM_CANDIDATES = 256
 
 
-def token_noise(keys, ids):
-    """Gumbel noise of token ``ids`` [B, N] for row keys [B]: one draw per (row key, token id),
-    ``gumbel(fold_in(key, id))``, so any subset of the vocabulary gets the same values it
-    would get inside the whole row."""
-    one = lambda k, i: jax.random.gumbel(jax.random.fold_in(k, i), (), jnp.float32)
-    return jax.vmap(lambda k, row: jax.vmap(lambda i: one(k, i))(row))(keys, ids)
+def row_noise(keys, v: int):
+    """Gumbel noise [B, V] for row keys [B]: entry [b, t] belongs to token t of row b."""
+    return jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
 
 
-def _kept_draw(scaled, keys, top_k, top_p, min_p, lse_all, c: int):
+def _kept_draw(scaled, noise, top_k, top_p, min_p, lse_all, c: int):
     """Filter the top ``c`` tokens of ``scaled`` [B, V] and draw among the kept ones.
 
     -> (token int32 [B], proven bool [B]: nothing past the c candidates can be kept).
@@ -59,7 +55,7 @@ def _kept_draw(scaled, keys, top_k, top_p, min_p, lse_all, c: int):
     probs = jnp.where(in_k, jnp.exp(vals - lse[:, None]), 0.0)
     cum = jnp.cumsum(probs, axis=-1)
     keep = in_k & ((cum - probs) < top_p[:, None]) & (probs >= min_p[:, None] * probs[:, :1])
-    noisy = jnp.where(keep, vals + token_noise(keys, ids), -jnp.inf)
+    noisy = jnp.where(keep, vals + jnp.take_along_axis(noise, ids, axis=-1), -jnp.inf)
     token = jnp.take_along_axis(ids, jnp.argmax(noisy, axis=-1)[:, None], axis=-1)[:, 0]
     if c == v:
         return token.astype(jnp.int32), jnp.ones(top_k.shape, bool)
@@ -102,18 +98,13 @@ def sample_rows(
         lse_all = jax.nn.logsumexp(scaled, axis=-1)
         sampling = temperature > 0
         whole = (top_k <= 0) & (top_p >= 1.0) & (min_p <= 0.0)  # truncates nothing
-        fast, proven = _kept_draw(scaled, keys, top_k, top_p, min_p, lse_all, c)
-        # Plain temperature rows: the noise of every token (only when there is such a row).
-        all_ids = jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), scaled.shape)
-        untruncated = jax.lax.cond(
-            jnp.any(sampling & whole),
-            lambda: jnp.argmax(scaled + token_noise(keys, all_ids), axis=-1).astype(jnp.int32),
-            lambda: fast,
-        )
+        noise = row_noise(keys, v)
+        fast, proven = _kept_draw(scaled, noise, top_k, top_p, min_p, lse_all, c)
+        untruncated = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)  # plain temperature rows
         # The full sort, only when some row's kept set may reach past the candidates.
         truncated = jax.lax.cond(
             jnp.any(sampling & ~whole & ~proven),
-            lambda: _kept_draw(scaled, keys, top_k, top_p, min_p, lse_all, v)[0],
+            lambda: _kept_draw(scaled, noise, top_k, top_p, min_p, lse_all, v)[0],
             lambda: fast,
         )
         sampled = jnp.where(whole, untruncated, truncated)

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM
+from jaxserve.bench.measure import CompileWatch
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.runner import RecompilationError, pick_bucket, token_buckets
 
@@ -164,8 +165,14 @@ def test_no_compilation_after_warmup(tiny_ckpt):
     llm.runner.strict = True
     mixed = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 12, 7, 20, 1, 9)]
     llm.generate(PROMPTS, mixed)
-    llm.generate([PROMPTS[3]] * 3, GREEDY)  # prefix hits: short prefill chunks
+    with CompileWatch() as cw:
+        llm.generate([PROMPTS[3]] * 3, GREEDY)  # prefix hits: short prefill chunks
+        llm.generate(PROMPTS * 2, mixed * 2)  # many pages released at once: large generation updates
     assert llm.runner.compiles_after_warmup == 0
+    # No serving program, sampler or generation update compiled (jax may still compile a tiny
+    # helper of its own, e.g. "stage", once per process).
+    serving = {n: c for n, c in cw.names.items() if any(k in n for k in ("step", "apply_updates", "sample_rows"))}
+    assert not serving, serving
     with pytest.raises(RecompilationError):
         llm.runner.step("decode", *[np.zeros((3, 1), np.int32)] + [np.zeros(3, np.int32)] * 2
                         + [np.zeros((3, llm.runner.max_pages_per_seq), np.int32)] * 2 + [np.zeros(3, np.int32)])
