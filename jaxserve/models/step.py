@@ -32,11 +32,6 @@ class StepInput:
         t = self.tokens.shape[1]
         return jnp.arange(t, dtype=jnp.int32)[None, :] < self.new_lens[:, None]
 
-    def context_mask(self, page_size: int) -> jax.Array:
-        """bool [B, M*S]: which gathered page slots hold cached context for this row."""
-        c = self.page_table.shape[1] * page_size
-        return jnp.arange(c, dtype=jnp.int32)[None, :] < self.cached_lens[:, None]
-
     def causal_mask(self) -> jax.Array:
         """bool [B, T, T]: new token t sees new tokens <= t of its own row."""
         t = self.tokens.shape[1]
