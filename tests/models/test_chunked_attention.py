@@ -17,7 +17,7 @@ PAGE = 4
 NUM_PAGES = 40
 
 
-def _setup(seed, b, t, width, cached, new_lens, shape_fn):
+def _setup(seed, b, width, cached, new_lens):
     rng = np.random.default_rng(seed)
     # Distinct random pages per row (null page 0 excluded), padded with the null page.
     perm = rng.permutation(np.arange(1, NUM_PAGES))
@@ -28,6 +28,21 @@ def _setup(seed, b, t, width, cached, new_lens, shape_fn):
         table[i, :n] = perm[used: used + n]
         used += n
     return rng, table
+
+
+def _filled_pools(rng, fmt, shapes: dict, headed: bool) -> dict:
+    """Pools {name: shape} with every page filled with random values (what other requests left
+    there must stay invisible)."""
+    pools = {}
+    for name, shape in shapes.items():
+        pools.update(paged.new_pool(fmt, shape, name))
+    pg = jnp.repeat(jnp.arange(NUM_PAGES), PAGE)[None]
+    off = jnp.tile(jnp.arange(PAGE), NUM_PAGES)[None]
+    for name, shape in shapes.items():
+        per_token = (shape[0], shape[-1]) if headed else (shape[-1],)
+        vals = jnp.asarray(rng.standard_normal((1, NUM_PAGES * PAGE) + per_token), jnp.float32)
+        pools = paged.store(fmt, pools, name, vals, pg, off, headed=headed)
+    return pools
 
 
 def _causal(new_lens, t):
@@ -50,14 +65,8 @@ def test_gqa_chunked_equals_one_shot(case, fmt_name):
     cached, new_lens, t, width, chunk = case
     b, kvh, g, d = len(cached), 2, 3, 8
     fmt = get_kv_format(fmt_name)
-    rng, table = _setup(0, b, t, width, cached, new_lens, None)
-    pools = {**paged.new_pool(fmt, (kvh, NUM_PAGES, PAGE, d), "k"), **paged.new_pool(fmt, (kvh, NUM_PAGES, PAGE, d), "v")}
-    # Fill every page with random K/V (what other requests left there must stay invisible).
-    for name in ("k", "v"):
-        vals = jnp.asarray(rng.standard_normal((NUM_PAGES * PAGE, kvh, d)), jnp.float32)
-        pg = jnp.repeat(jnp.arange(NUM_PAGES), PAGE)[None]
-        off = jnp.tile(jnp.arange(PAGE), NUM_PAGES)[None]
-        pools = paged.store(fmt, pools, name, vals[None], pg, off, headed=True)
+    rng, table = _setup(0, b, width, cached, new_lens)
+    pools = _filled_pools(rng, fmt, {n: (kvh, NUM_PAGES, PAGE, d) for n in ("k", "v")}, headed=True)
     q = jnp.asarray(rng.standard_normal((b, t, kvh * g, d)), jnp.float32)
     nk = jnp.asarray(rng.standard_normal((b, t, kvh, d)), jnp.float32)
     nv = jnp.asarray(rng.standard_normal((b, t, kvh, d)), jnp.float32)
@@ -90,13 +99,8 @@ def test_mla_chunked_equals_one_shot(case, fmt_name):
     cached, new_lens, t, width, chunk = case
     b, h, r, dr = len(cached), 3, 16, 4
     fmt = get_kv_format(fmt_name)
-    rng, table = _setup(1, b, t, width, cached, new_lens, None)
-    pools = {**paged.new_pool(fmt, (NUM_PAGES, PAGE, r), "latent"), **paged.new_pool(fmt, (NUM_PAGES, PAGE, dr), "rope")}
-    pg = jnp.repeat(jnp.arange(NUM_PAGES), PAGE)[None]
-    off = jnp.tile(jnp.arange(PAGE), NUM_PAGES)[None]
-    for name, x in (("latent", r), ("rope", dr)):
-        vals = jnp.asarray(rng.standard_normal((1, NUM_PAGES * PAGE, x)), jnp.float32)
-        pools = paged.store(fmt, pools, name, vals, pg, off)
+    rng, table = _setup(1, b, width, cached, new_lens)
+    pools = _filled_pools(rng, fmt, {"latent": (NUM_PAGES, PAGE, r), "rope": (NUM_PAGES, PAGE, dr)}, headed=False)
     ql = jnp.asarray(rng.standard_normal((b, t, h, r)), jnp.float32)
     qr = jnp.asarray(rng.standard_normal((b, t, h, dr)), jnp.float32)
     nl = jnp.asarray(rng.standard_normal((b, t, r)), jnp.float32)
