@@ -24,7 +24,8 @@ from flax import nnx
 from jaxserve.engine.page_tracker import NoOpTracker, PageTracker, pad_updates
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.step import StepInput
-from jaxserve.quant.phase import dense_state, quantize_state
+from jaxserve.quant.linear import describe, resolve_backend, use_backend
+from jaxserve.quant.phase import PhaseWeight, quantize_state
 from jaxserve.sharding import MODEL_AXIS, Mesh, NamedSharding, PartitionSpec, replicated
 
 
@@ -86,6 +87,7 @@ class ModelRunner:
         prefill_weights: str | None = None,
         decode_weights: str | None = None,
         attention_backend: str = "xla",
+        matmul_backend: str = "auto",
     ):
         self.cfg = model.cfg
         self.fmt = fmt
@@ -106,6 +108,9 @@ class ModelRunner:
                 "use attention_backend='xla' with num_devices > 1"
             )
         self.attention_backend = attention_backend
+        self.matmul_backend = resolve_backend(matmul_backend)
+        if self.matmul_backend == "interpret" and mesh is not None:
+            raise ValueError("the interpreted Pallas matmuls are single-device; use matmul_backend='cpu' with a mesh")
         # Each phase's own weight representation (None: the loaded weights, shared).
         self.weight_formats = {"prefill": prefill_weights, "decode": decode_weights}
         self.phase_params = {}
@@ -123,6 +128,16 @@ class ModelRunner:
         self.strict = False
         self.compiles_after_warmup = 0
 
+    def weight_paths(self) -> dict[str, str]:
+        """Per phase, the matmul paths its weights run on: 'int8 -> cpu:w8a8 (...)', one per
+        stored format ('as loaded -> xla:dot (...)' for plain arrays)."""
+        out = {}
+        for phase, (leaves, treedef) in self.phase_params.items():
+            stored = jax.tree.leaves(jax.tree.unflatten(treedef, leaves), is_leaf=lambda x: isinstance(x, PhaseWeight))
+            formats = sorted({x.qw.format for x in stored if isinstance(x, PhaseWeight)})
+            out[phase] = "; ".join(describe(f, self.matmul_backend) for f in formats) or describe(None, "cpu")
+        return out
+
     def kv_sharding(self, kv):
         """MLA pools [P, S, X] have no head axis: replicated on every device (each head reads
         the whole latent). GQA pools [KVH, P, S, D] split by KV head when the heads divide."""
@@ -133,14 +148,17 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ programs
     def _model_fn(self, all_logits: bool, phase: str = "prefill"):
-        graphdef, fmt, page_size, dtype = self.graphdef, self.fmt, self.page_size, self.dtype
+        graphdef, fmt, page_size = self.graphdef, self.fmt, self.page_size
         backend = self.attention_backend
         treedef = self.phase_params[phase][1]
 
+        matmuls = self.matmul_backend
+
         def forward(params, kv, inp: StepInput):
-            state = dense_state(jax.tree.unflatten(treedef, params), dtype)
-            model = nnx.merge(graphdef, state)
-            return model(inp, kv, fmt, page_size, all_logits=all_logits, backend=backend)
+            # Quantized weights enter as stored; every matmul reads them through quant.linear.
+            model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+            with use_backend(matmuls):
+                return model(inp, kv, fmt, page_size, all_logits=all_logits, backend=backend)
 
         return forward
 

@@ -153,7 +153,10 @@ def test_logprobs_match_the_dequantized_reference(kind, request, base):
     moved = np.abs(lp - ref_logprobs(base)).max()  # vs the unquantized model: quantization is visible
     print(f"{kind}: max |logprob error| vs transformers on the dequantized weights: {err:.2e} "
           f"(vs the unquantized model: {moved:.2e})")
-    assert err <= 1e-4 and moved > 1e-3
+    # The weights load exactly (tests below); the programs compute in the stored format, whose
+    # CPU path rounds activations and weight tiles to bf16 (jaxserve.quant.paths): the same
+    # bound as tests/models/test_quantized_programs.py, far below the quantization itself.
+    assert err <= 0.04 and moved > 5 * err
     dtypes = {np.dtype(x.dtype).name for x in llm.runner.phase_params["decode"][0]}
     assert ("float8_e4m3fn" if kind == "fp8" else "uint8") in dtypes
 

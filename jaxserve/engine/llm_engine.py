@@ -41,12 +41,16 @@ class EngineConfig:
     integrity_check: bool = True  # False = NoOpTracker
     seed: int = 0  # seeds requests that give none
     # Weight representation per phase (None = as loaded). Prefill is compute-bound: bf16 or
-    # fp8; decode is memory-bound: int4 (group 32/64/128), fp8 or bf16.
+    # fp8 (int8 on CPU, where int8 dots are the fastest); decode is memory-bound: int4 (group
+    # 32/64/128), int8, fp8 or bf16.
     prefill_weights: str | None = None
     decode_weights: str | None = None
     # Decode attention: "xla" (pure jnp), "pallas" (GPU kernels), "pallas_interpret" (the
     # kernels interpreted on CPU, for tests). None = "pallas" on GPU, "xla" elsewhere.
     attention_backend: str | None = None
+    # Quantized matmuls (jaxserve.quant.paths): "auto" (gpu on a GPU host, else cpu), "cpu",
+    # "gpu", "interpret" (the GPU formulations with Pallas interpreted on CPU, for tests).
+    matmul_backend: str = "auto"
 
     def __post_init__(self):
         if self.num_pages < 2:
@@ -57,11 +61,15 @@ class EngineConfig:
         from jaxserve.quant.formats import get_weight_format
 
         for phase, spec, allowed in (
-            ("prefill", self.prefill_weights, ("bf16", "fp8_e4m3", "fp8:block128")),
-            ("decode", self.decode_weights, ("bf16", "fp8_e4m3", "fp8:block128", "int4:g32", "int4:g64", "int4:g128")),
+            ("prefill", self.prefill_weights, ("bf16", "fp8_e4m3", "fp8:block128", "int8")),
+            ("decode", self.decode_weights,
+             ("bf16", "fp8_e4m3", "fp8:block128", "int8", "int4:g32", "int4:g64", "int4:g128")),
         ):
             if spec is not None and get_weight_format(spec).name not in allowed:
                 raise ValueError(f"{phase}_weights={spec!r} is not a {phase} format; choose one of {allowed}")
+        from jaxserve.quant.linear import resolve_backend
+
+        resolve_backend(self.matmul_backend)  # a clear error for an unknown name
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_prefill_seqs, self.prefill_chunk)
@@ -90,6 +98,7 @@ class LLMEngine:
             model, fmt, config.num_pages, config.page_size, mesh, tracker, max_pages_per_seq=self.max_pages_per_seq,
             prefill_weights=config.prefill_weights, decode_weights=config.decode_weights,
             attention_backend=config.attention_backend or default_attention_backend(),
+            matmul_backend=config.matmul_backend,
         )
         self.pool_tokens = pool_tokens
         # Prefill programs: rows in powers of two, tokens in token_buckets (compiled at warm-up).

@@ -18,6 +18,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.layers import DenseMLP, MoE, RMSNorm, param, rope_cos_sin, rope_inv_freq
 from jaxserve.models.step import StepInput, last_token_index
+from jaxserve.quant.linear import linear
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +94,10 @@ class CausalLM(nnx.Module):
         if not all_logits:
             x = x[jnp.arange(x.shape[0]), last_token_index(step.new_lens)]  # [B, D]
         x = self.norm(x)
-        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+        if self.lm_head is None:  # tied: the embedding table [V, D] read as the head
+            logits = jnp.dot(x, self.embed[...].T, preferred_element_type=jnp.float32)
+        else:
+            logits = linear(x, self.lm_head, out_dtype=jnp.float32)
         return logits, tuple(new_kv)
 
     def init_kv(self, num_pages: int, page_size: int, fmt: KVFormat) -> tuple:

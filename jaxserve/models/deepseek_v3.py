@@ -18,6 +18,7 @@ from jaxserve.kv.formats import KVFormat
 from jaxserve.models.attention import mla_attention_paged, mla_decode_pallas
 from jaxserve.models.base import CausalLM, DecoderLayer, WeightSpec, keep, block_weights, skip_mtp_layers, t
 from jaxserve.models.layers import RMSNorm, apply_rope, param
+from jaxserve.quant.linear import head_columns, linear
 
 
 class MLAttention(nnx.Module):
@@ -41,11 +42,11 @@ class MLAttention(nnx.Module):
         cos, sin = rope
         nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank:
-            q = jnp.einsum("btq,qhk->bthk", self.q_a_norm(x @ self.q_a[...]), self.q_b[...])
+            q = linear(self.q_a_norm(linear(x, self.q_a)), self.q_b)  # [B, T, H, qk_head_dim]
         else:
-            q = jnp.einsum("btd,dhk->bthk", x, self.q_proj[...])
+            q = linear(x, self.q_proj)
         q_nope, q_rope = q[..., :nope], apply_rope(q[..., nope:], cos, sin, cfg.rope_interleave)
-        ckv = x @ self.kv_a[...]  # [B, T, R + Dr]
+        ckv = linear(x, self.kv_a)  # [B, T, R + Dr]
         lat = self.kv_a_norm(ckv[..., :r])
         k_rope = apply_rope(ckv[..., r:], cos, sin, cfg.rope_interleave)
 
@@ -54,8 +55,11 @@ class MLAttention(nnx.Module):
         page, off = paged.token_slots(step.page_table, step.positions, step.valid, page_size, num_pages)
         kv = paged.store(fmt, kv, "latent", lat, page, off)
         kv = paged.store(fmt, kv, "rope", k_rope, page, off)
-        kv_b = self.kv_b[...]
-        q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, kv_b[..., :nope])  # absorb W_uk
+        per_head = nope + cfg.v_head_dim  # kv_b [R, H, nope + v]: W_uk then W_uv per head
+        q_lat = head_columns(  # absorb W_uk
+            self.kv_b, per_head,
+            lambda w, h0, h1: jnp.einsum("bthn,rhn->bthr", q_nope[:, :, h0:h1], w[..., :nope]),
+        ).astype(x.dtype)
         if backend != "xla" and x.shape[1] == 1:  # decode: the paged half in the Pallas kernel
             out_lat = mla_decode_pallas(
                 q_lat, q_rope, kv, fmt, lat, k_rope, step, cfg.softmax_scale, backend == "pallas_interpret"
@@ -65,8 +69,11 @@ class MLAttention(nnx.Module):
                 q_lat, q_rope, kv, fmt, step.page_table, step.cached_lens, lat, k_rope, step.causal_mask(),
                 cfg.softmax_scale, page_size,
             )
-        out = jnp.einsum("bthr,rhv->bthv", out_lat, kv_b[..., nope:])  # absorb W_uv
-        return jnp.einsum("bthv,hvd->btd", out, self.o[...]), kv
+        out = head_columns(  # absorb W_uv
+            self.kv_b, per_head,
+            lambda w, h0, h1: jnp.einsum("bthr,rhv->bthv", out_lat[:, :, h0:h1], w[..., nope:]),
+        ).astype(x.dtype)
+        return linear(out, self.o, contract=2), kv
 
     def init_kv(self, num_pages: int, page_size: int, fmt: KVFormat) -> dict:
         cfg = self.cfg

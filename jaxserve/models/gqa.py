@@ -16,6 +16,7 @@ from jaxserve.kv.formats import KVFormat
 from jaxserve.models.attention import gqa_attention_paged, gqa_decode_pallas
 from jaxserve.models.base import WeightSpec, keep
 from jaxserve.models.layers import RMSNorm, apply_rope, param
+from jaxserve.quant.linear import linear
 
 
 def rotary_dim(cfg: ModelConfig) -> int:
@@ -43,9 +44,7 @@ class GQAttention(nnx.Module):
 
     def __call__(self, x, rope, step, kv, fmt: KVFormat, page_size: int, backend: str = "xla"):
         cfg = self.cfg
-        q = jnp.einsum("btd,dhk->bthk", x, self.q[...])
-        k = jnp.einsum("btd,dhk->bthk", x, self.k[...])
-        v = jnp.einsum("btd,dhk->bthk", x, self.v[...])
+        q, k, v = linear(x, self.q), linear(x, self.k), linear(x, self.v)  # [B, T, heads, hd]
         if cfg.attention_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if cfg.use_qk_norm:
@@ -65,7 +64,7 @@ class GQAttention(nnx.Module):
             out = gqa_attention_paged(
                 q, kv, fmt, step.page_table, step.cached_lens, k, v, step.causal_mask(), cfg.softmax_scale, page_size
             )
-        y = jnp.einsum("bthk,hkd->btd", out, self.o[...])
+        y = linear(out, self.o, contract=2)
         return (y + self.o_bias[...] if self.o_bias is not None else y), kv
 
     def init_kv(self, num_pages: int, page_size: int, fmt: KVFormat) -> dict:

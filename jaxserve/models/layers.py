@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig, RopeConfig
+from jaxserve.quant.linear import expert_linear, linear
 
 
 def param(rngs: nnx.Rngs, shape, axes, dtype, init: str = "normal") -> nnx.Param:
@@ -58,8 +59,8 @@ class DenseMLP(nnx.Module):
         self.down = param(rngs, (hidden, dim), ("mlp", "embed"), dtype)
 
     def __call__(self, x):
-        h = self.act(x @ self.gate[...]) * (x @ self.up[...])
-        return h @ self.down[...]
+        h = self.act(linear(x, self.gate)) * linear(x, self.up)
+        return linear(h, self.down)
 
 
 class MoE(nnx.Module):
@@ -114,8 +115,8 @@ class MoE(nnx.Module):
         token = order // k
         sizes = jnp.bincount(flat, length=self.cfg.n_routed_experts).astype(jnp.int32)
         xs = x[token]  # [N*k, D] grouped by expert
-        h = self.act(jax.lax.ragged_dot(xs, self.w_gate[...], sizes)) * jax.lax.ragged_dot(xs, self.w_up[...], sizes)
-        y = jax.lax.ragged_dot(h.astype(x.dtype), self.w_down[...], sizes)  # [N*k, D]
+        h = self.act(expert_linear(xs, self.w_gate, sizes)) * expert_linear(xs, self.w_up, sizes)
+        y = expert_linear(h.astype(x.dtype), self.w_down, sizes)  # [N*k, D]
         y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
         return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(y).astype(x.dtype)
 

@@ -1,17 +1,19 @@
 """Weight-format registry: one entry per format; parse a spec string into a format.
 
-Per-phase weight representations (SEED_FACTS section 2): one model, several formats;
+Per-phase weight representations: one model, several formats;
 prefill typically runs bf16 or fp8 weights, decode int4, fp8 or bf16. Each format
 quantizes a float ``[..., K, N]`` weight once at load (host numpy) into a
-``QuantizedWeight`` pytree and supplies jittable ``dequantize`` / ``matmul`` /
-``ragged_matmul`` (MoE experts) and ``nbytes``.
+``QuantizedWeight`` pytree and supplies a jittable ``dequantize`` and ``nbytes``; the
+matmuls that read each format are registered per backend in ``jaxserve.quant.paths`` and
+called through ``jaxserve.quant.linear``.
 
 Spec strings: ``bf16``, ``fp8_e4m3`` (per-channel; aliases ``fp8``, ``fp8:channel``),
-``fp8:block128``, ``int4:g32``, ``int4:g64``, ``int4:g128`` (alias ``int4`` = g128).
+``fp8:block128``, ``int8`` (per-channel; alias ``int8:channel``), ``int4:g32``, ``int4:g64``,
+``int4:g128`` (alias ``int4`` = g128).
 Adding a format = one class instance in ``_FORMATS``.
 
 Bytes per param (scales float32): bf16 2; fp8_e4m3 1 + 4/K; fp8:block128
-1 + 4/128**2 (~1.0002); int4:gG 0.5 + 4/G (g32 0.625, g64 0.5625, g128 0.53125),
+1 + 4/128**2 (~1.0002); int8 1 + 4/K; int4:gG 0.5 + 4/G (g32 0.625, g64 0.5625, g128 0.53125),
 for K a multiple of the block/group (else the padded/partial block is counted).
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 
 from .fp8 import Fp8BlockFormat, Fp8ChannelFormat
 from .int4 import Int4GroupFormat
+from .int8 import Int8ChannelFormat
 from .qweight import QuantizedWeight, WeightFormat, check_weight
 
 
@@ -50,6 +53,7 @@ _FORMATS: dict[str, WeightFormat] = {
         Bf16Format(),
         Fp8ChannelFormat(),
         Fp8BlockFormat(128),
+        Int8ChannelFormat(),
         Int4GroupFormat(32),
         Int4GroupFormat(64),
         Int4GroupFormat(128),
@@ -57,7 +61,8 @@ _FORMATS: dict[str, WeightFormat] = {
 }
 # Note: the capacity planner (jaxserve.planner) reads bare "fp8" as fp8:block128; here it is
 # fp8_e4m3 (per channel), as for KV formats. Spell the format out where it matters.
-ALIASES = {"bfloat16": "bf16", "fp8": "fp8_e4m3", "fp8:channel": "fp8_e4m3", "int4": "int4:g128"}
+ALIASES = {"bfloat16": "bf16", "fp8": "fp8_e4m3", "fp8:channel": "fp8_e4m3", "int8:channel": "int8",
+           "int4": "int4:g128"}
 
 
 def get_weight_format(spec: str | WeightFormat) -> WeightFormat:
@@ -88,16 +93,6 @@ def dequantize(qw: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     return qw.fmt.dequantize(qw, dtype)
 
 
-def matmul(x: jax.Array, qw: QuantizedWeight) -> jax.Array:
-    """x [..., K] @ qw [K, N] -> [..., N] in x.dtype (f32 accumulation)."""
-    return qw.fmt.matmul(x, qw)
-
-
-def ragged_matmul(x: jax.Array, qw: QuantizedWeight, group_sizes: jax.Array) -> jax.Array:
-    """x [M, K] (rows grouped by expert), qw [E, K, N], group_sizes int32 [E] -> [M, N]."""
-    return qw.fmt.ragged_matmul(x, qw, group_sizes)
-
-
 def nbytes(qw: QuantizedWeight) -> int:
     return qw.fmt.nbytes(qw)
 
@@ -106,6 +101,6 @@ def bytes_per_param(qw: QuantizedWeight) -> float:
     return nbytes(qw) / float(np.prod(qw.shape))
 
 
-__all__ = ["ALIASES", "Bf16Format", "Fp8BlockFormat", "Fp8ChannelFormat", "Int4GroupFormat", "QuantizedWeight",
-           "WeightFormat", "bytes_per_param", "check_weight", "dequantize", "get_weight_format", "matmul", "nbytes",
-           "quantize", "ragged_matmul", "weight_format_names"]
+__all__ = ["ALIASES", "Bf16Format", "Fp8BlockFormat", "Fp8ChannelFormat", "Int4GroupFormat", "Int8ChannelFormat",
+           "QuantizedWeight", "WeightFormat", "bytes_per_param", "check_weight", "dequantize", "get_weight_format", "nbytes",
+           "quantize", "weight_format_names"]

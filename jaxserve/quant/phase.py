@@ -4,9 +4,9 @@
 chosen format (norms, biases, the router and the embedding stay as loaded: they are small
 or, for the embedding, a lookup table). Weights a pre-quantized checkpoint loaded as
 PhaseWeights are kept in their own format or converted; a converted checkpoint's
-``PhaseSet`` gives the member stored for the phase. Inside the jitted program
-``dense_state`` turns them back into arrays of the model's dtype just before use; XLA sees
-the stored bytes as the program's inputs, so each phase reads its own representation.
+``PhaseSet`` gives the member stored for the phase. The PhaseWeights go into the jitted
+programs as they are stored (values + scales) and every matmul reads them through
+``jaxserve.quant.linear``, so each phase computes in its own representation.
 
 Weights are viewed as matrices [..., K, N] (K = input): 3-D attention weights
 [in, heads, x] become [in, heads * x]; the output projection [heads, v, D] becomes
@@ -41,6 +41,7 @@ class PhaseWeight:
     shape: tuple[int, ...]  # the parameter's own shape
 
     def dense(self, dtype):
+        """The whole weight as a dense array: for conversion and tests, never in a serving program."""
         return self.qw.dequantize(dtype).reshape(self.shape)
 
 
@@ -145,15 +146,6 @@ def quantize_state(state, spec: str | None, mesh=None):
         new = phase_value(path, value, var.get_metadata().get("logical_axes"), fmt, mesh)
         out.append((p, var if new is var.get_value() else var.replace(new)))
     return nnx.from_flat_state(out)
-
-
-def dense_state(state, dtype):
-    """Inside jit: PhaseWeight leaves -> arrays of `dtype` in the parameter's shape."""
-    return jax.tree.map(
-        lambda x: x.dense(dtype) if isinstance(x, PhaseWeight) else x,
-        state,
-        is_leaf=lambda x: isinstance(x, PhaseWeight),
-    )
 
 
 def state_nbytes(state) -> int:

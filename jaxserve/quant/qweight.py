@@ -58,8 +58,8 @@ def _arr_nbytes(a) -> int:
 
 class WeightFormat:
     """One way of storing a ``[..., K, N]`` weight. Subclasses implement ``quantize`` and
-    ``dequantize`` (and may override ``matmul``/``ragged_matmul`` with a faster path);
-    the rest is shared.
+    ``dequantize``; the rest is shared. The matmuls that read a format are registered per
+    backend in ``jaxserve.quant.paths`` and called through ``jaxserve.quant.linear``.
 
     ``scale_block`` says how many weight rows/cols one scale entry covers along K and N
     (0 = the whole dim); it drives the logical-axes rule in ``logical_axes_for``.
@@ -75,26 +75,6 @@ class WeightFormat:
     def dequantize(self, qw: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
         """-> [..., K, N] in ``dtype``; pure jnp, jittable."""
         raise NotImplementedError
-
-    def matmul(self, x: jax.Array, qw: QuantizedWeight) -> jax.Array:
-        """x [..., K] @ w [K, N] -> [..., N] in x.dtype; computed in x.dtype, f32 accumulation.
-
-        XLA path: dequantize then dot (XLA fuses the dequantization into the operand).
-        """
-        if len(qw.shape) != 2:
-            raise ValueError(f"matmul takes a 2-D weight, got shape {qw.shape}; use ragged_matmul for experts")
-        w = self.dequantize(qw, x.dtype)
-        return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-
-    def ragged_matmul(self, x: jax.Array, qw: QuantizedWeight, group_sizes: jax.Array) -> jax.Array:
-        """x [M, K] rows sorted by expert, w [E, K, N], group_sizes int32 [E] -> [M, N] in x.dtype.
-
-        Rows past sum(group_sizes) come out as zeros (lax.ragged_dot semantics).
-        """
-        if len(qw.shape) != 3:
-            raise ValueError(f"ragged_matmul takes stacked experts [E, K, N], got shape {qw.shape}")
-        w = self.dequantize(qw, x.dtype)
-        return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
     def padded_k(self, k: int) -> int:
         """Rows of K actually stored (int4 pads K up to a whole number of groups)."""

@@ -9,7 +9,8 @@ from flax import nnx
 from jaxserve import LLM
 from jaxserve.engine.llm_engine import EngineConfig
 from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.quant.phase import dense_state, quantize_state, state_nbytes
+from jaxserve.quant.phase import quantize_state, state_nbytes
+from quant_reference import dense_leaves
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 8, 9, 10, 11, 12, 13, 60, 61, 62, 63]
 KW = dict(kv_format="float32", num_pages=32, page_size=8, max_num_seqs=4)
@@ -46,18 +47,17 @@ def test_each_phase_holds_its_own_representation(tiny_ckpt):
 
 
 def test_decode_program_computes_with_its_format(tiny_ckpt):
-    """int4 decode logits equal the logits of the same model with int4-dequantized weights,
-    and differ from the unquantized model's (the format is really used)."""
+    """int4 decode logits are close to the logits of the same model with the int4 weights
+    dequantized (the path's bf16 rounding: tests/models/test_quantized_programs.py bounds it
+    per family), and differ from the unquantized model's far more (the format is really used)."""
     q = LLM(tiny_ckpt, decode_weights="int4:g32", **KW)
     plain = LLM(tiny_ckpt, **KW)
     got = decode_logits(q.runner)
     ref_plain = decode_logits(plain.runner)
     # The dequantized weights as plain arrays, run through the unquantized decode program.
-    state = jax.tree.unflatten(q.runner.phase_params["decode"][1], q.runner.phase_params["decode"][0])
-    dense = dense_state(state, jnp.float32)
-    ref = decode_logits(LLM(tiny_ckpt, **KW).runner, jax.tree.flatten(dense))
-    assert np.abs(got - ref).max() < 1e-4
-    assert np.abs(got - ref_plain).max() > 1e-3
+    ref = decode_logits(LLM(tiny_ckpt, **KW).runner, dense_leaves(*q.runner.phase_params["decode"]))
+    assert np.abs(got - ref).max() < 0.1
+    assert np.abs(got - ref_plain).max() > 10 * np.abs(got - ref).max()
     # Prefill stayed unquantized: the prompt's logprobs match the plain model exactly.
     assert np.abs(q.logprobs(PROMPT) - plain.logprobs(PROMPT)).max() < 1e-5
 

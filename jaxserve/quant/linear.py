@@ -1,0 +1,164 @@
+"""The one quantized linear op: every matmul weight of every model goes through here.
+
+A weight is a plain array (the checkpoint's dtype, e.g. float32) or a ``PhaseWeight`` (a
+``QuantizedWeight`` in a phase's format plus the parameter's own shape). The op takes the
+activations and the stored weight (values + scales) and computes in the stored format: it
+never builds the whole dense weight. Which formulation runs is looked up in one registry,
+``PATHS[(family, backend)]`` (``jaxserve.quant.paths``), by the weight's format family and
+the backend the program is traced for:
+
+- ``cpu``: the fastest XLA:CPU formulation measured on this machine (bf16 x bf16 dots,
+  int8 x int8 -> int32 dots with per-token int8 activations, tile-wise dequantization for
+  the formats XLA:CPU cannot multiply directly);
+- ``gpu``: the Pallas int4 kernels (dense and grouped by expert), XLA's native float8 dot,
+  int8 and bf16 dots;
+- ``interpret``: the GPU formulations run on CPU (Pallas in interpret mode), for tests.
+
+The backend is a trace-time setting: ``use_backend(name)`` around the tracing of a program
+(the runner does this per phase); outside it, ``auto`` picks gpu on a GPU host, else cpu.
+
+Public entry points (shapes: ``...`` = leading activation dims):
+- ``linear(x, w, contract=1, out_dtype=None)``: x [..., *in] . w [*in, *out] -> [..., *out],
+  contracting x's last ``contract`` dims with w's first ``contract`` dims;
+- ``expert_linear(x, w, group_sizes)``: x [M, K] sorted by expert . w [E, K, N] -> [M, N];
+- ``head_columns(w, per_head, fn)``: MLA's absorbed forms, per tile of whole heads;
+- ``matmul`` / ``ragged_matmul``: the same on a bare ``QuantizedWeight`` (2-D / 3-D).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.quant import paths as _paths
+from jaxserve.quant.paths import PATHS, Path, family_of, slice_columns
+from jaxserve.quant.qweight import QuantizedWeight
+
+BACKENDS = ("auto", "cpu", "gpu", "interpret")
+_BACKEND = contextvars.ContextVar("jaxserve_linear_backend", default="auto")
+
+
+def resolve_backend(name: str = "auto") -> str:
+    """'auto' -> 'gpu' on a GPU host, else 'cpu'; other names are checked and returned."""
+    if name not in BACKENDS:
+        raise ValueError(f"matmul backend must be one of {BACKENDS}, got {name!r}")
+    if name != "auto":
+        return name
+    return "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu"
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Trace the ops inside with backend ``name`` (a trace-time choice, not a runtime one)."""
+    token = _BACKEND.set(resolve_backend(name))
+    try:
+        yield
+    finally:
+        _BACKEND.reset(token)
+
+
+def current_backend() -> str:
+    return resolve_backend(_BACKEND.get())
+
+
+def path_for(format_name: str | None, backend: str | None = None) -> Path:
+    """The registered path for a weight format (None: a plain array) on ``backend``."""
+    return PATHS[(family_of(format_name), resolve_backend(backend or current_backend()))]
+
+
+def describe(format_name: str | None, backend: str | None = None) -> str:
+    """'int8 -> cpu:w8a8 (int8 activations per token, int32 accumulation)': for logs and GetModelInfo."""
+    p = path_for(format_name, backend)
+    return f"{format_name or 'as loaded'} -> {p.name} ({p.numerics})"
+
+
+def _value(w):
+    """A Param (or its value) -> the array or PhaseWeight it holds."""
+    return w.get_value() if isinstance(w, nnx.Variable) else w
+
+
+def _split(w):
+    """-> (QuantizedWeight or None, the parameter's shape, the plain array or None)."""
+    w = _value(w)
+    qw = getattr(w, "qw", None)
+    if qw is not None:
+        return qw, tuple(w.shape), None
+    return None, tuple(w.shape), w
+
+
+def matmul(x: jax.Array, qw: QuantizedWeight, out_dtype=None, backend: str | None = None) -> jax.Array:
+    """x [..., K] @ qw [K, N] -> [..., N] (x's dtype unless ``out_dtype``), on ``backend``
+    (None: the current one). The backend is read at trace time and is not part of jit's cache
+    key: jit a function per backend (as the runner does per program), or pass it here."""
+    if len(qw.shape) != 2:
+        raise ValueError(f"matmul takes a 2-D weight, got shape {qw.shape}; use ragged_matmul for experts")
+    k, n = qw.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"matmul: x has {x.shape[-1]} input features, the weight {k}")
+    lead = x.shape[:-1]
+    y = path_for(qw.format, backend).dense(x.reshape(-1, k), qw)
+    return y.reshape(*lead, n).astype(out_dtype or x.dtype)
+
+
+def ragged_matmul(x: jax.Array, qw: QuantizedWeight, group_sizes: jax.Array, out_dtype=None,
+                  backend: str | None = None) -> jax.Array:
+    """x [M, K] rows sorted by expert, qw [E, K, N], group_sizes int32 [E] -> [M, N].
+
+    Rows past sum(group_sizes) come out as zeros (lax.ragged_dot semantics)."""
+    if len(qw.shape) != 3:
+        raise ValueError(f"ragged_matmul takes stacked experts [E, K, N], got shape {qw.shape}")
+    y = path_for(qw.format, backend).ragged(x, qw, group_sizes.astype(jnp.int32))
+    return y.astype(out_dtype or x.dtype)
+
+
+def linear(x: jax.Array, w, contract: int = 1, out_dtype=None) -> jax.Array:
+    """x [..., *in] . w [*in, *out] -> [..., *out] (``contract`` = len(in)).
+
+    A plain weight runs as the dot it always was (f32 accumulation); a PhaseWeight runs on
+    its format's path, viewed as the matrix [prod(in), prod(out)] it was quantized as."""
+    qw, shape, dense = _split(w)
+    lead = x.shape[: x.ndim - contract]
+    out_shape = shape[contract:]
+    if qw is None:
+        y = jnp.tensordot(x, dense, axes=contract, preferred_element_type=jnp.float32)
+        return y.astype(out_dtype or x.dtype)
+    k = math.prod(shape[:contract])
+    if qw.shape != (k, math.prod(out_shape)):
+        raise ValueError(f"linear: weight stored as {qw.shape} cannot serve {shape} contracted over {contract} dims")
+    y = matmul(x.reshape(*lead, k), qw, out_dtype=jnp.float32)
+    return y.reshape(*lead, *out_shape).astype(out_dtype or x.dtype)
+
+
+def expert_linear(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
+    """Routed experts: x [M, K] sorted by expert, w [E, K, N] -> [M, N] in x's dtype."""
+    qw, _, dense = _split(w)
+    if qw is None:
+        return jax.lax.ragged_dot(x, dense, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+    return ragged_matmul(x, qw, group_sizes)
+
+
+def head_columns(w, per_head: int, fn, heads_per_tile: int | None = None):
+    """Apply ``fn(dense_tile [R, h, per_head], h0, h1)`` to tiles of whole heads of a
+    [R, H, per_head] weight and concatenate the results along axis ``-2`` of each (the head axis
+    of the caller's output). MLA's absorbed W_uk / W_uv contract kv_b over different axes
+    per head; a plain weight is one tile, a quantized one is dequantized a tile at a time
+    (``Path.tile_columns`` columns), so no whole dense copy exists."""
+    qw, shape, dense = _split(w)
+    r, h, _ = shape
+    if qw is None:
+        return fn(dense, 0, h)
+    cols = path_for(qw.format).tile_columns
+    hpt = heads_per_tile or max(1, min(h, cols // per_head))
+    block = qw.fmt.scale_block[1] if qw.fmt.scale_block else 1
+    while hpt < h and (hpt * per_head) % max(block, 1):  # tiles must start on a scale block
+        hpt += 1
+    outs = []
+    for h0 in range(0, h, hpt):
+        h1 = min(h, h0 + hpt)
+        tile = slice_columns(qw, h0 * per_head, h1 * per_head)
+        outs.append(fn(_paths.dequantize_tile(tile).reshape(r, h1 - h0, per_head), h0, h1))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-2)

@@ -1,0 +1,94 @@
+"""Each model family's prefill and decode programs computing in a quantized weight format,
+against a dense float32 model built from the same dequantized weights (numpy-decoded).
+
+The quantized program must differ from that reference only by the path's own rounding
+(activations to bf16 or to int8 per token, tiles of weights to bf16), bounded per path below
+in log-prob, and its greedy choice must equal the reference's where the reference is not
+itself a near-tie (top-1 ahead of top-2 by more than twice the bound). The tiny models have
+deliberately large random weights (std 0.08), so these bounds are far above what real weights
+see. Every token is routed to all of its MoE layer's (4) experts: a top-k choice is a
+discontinuity (any rounding can flip a near-tied expert and jump the log-probs by up to 0.6,
+measured with top-4 of 16), which would test the router rather than the matmuls; the grouped
+expert matmul still runs every expert on its own rows.
+"""
+import numpy as np
+import pytest
+import torch
+
+from hf_models import build_deepseek_v3, build_glm4_moe, build_llama
+from jaxserve import LLM
+from quant_reference import dense_leaves
+
+PROMPT = [int(x) for x in np.random.RandomState(7).randint(2, 256, size=21)]
+KW = dict(kv_format="float32", num_pages=32, page_size=8, integrity_check=False, matmul_backend="cpu")
+ALL_EXPERTS = dict(n_routed_experts=4, num_experts_per_tok=4, n_group=1, topk_group=1)
+FAMILIES = {
+    "deepseek_v3": lambda p: build_deepseek_v3(p, num_hidden_layers=2, seed=3, **ALL_EXPERTS),
+    "glm4_moe": lambda p: build_glm4_moe(p, num_hidden_layers=2, seed=3, **ALL_EXPERTS),
+    "llama-untied": lambda p: build_llama(p, num_hidden_layers=2, seed=3, tie_word_embeddings=False),
+}
+# max |log-prob difference| allowed, per weight format (the path's rounding, measured x ~3)
+BOUNDS = {"bf16": 0.03, "int8": 0.12, "fp8_e4m3": 0.04, "int4:g32": 0.04}
+PREFILL_FORMATS = ("bf16", "int8", "fp8_e4m3")
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def ckpt(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    FAMILIES[request.param](path)
+    return request.param, str(path)
+
+
+def reference_for(ckpt, quantized, phase):
+    """An LLM whose `phase` program reads the numpy-decoded dense copy of `quantized`'s weights."""
+    ref = LLM(ckpt, **KW)
+    dense = dense_leaves(*quantized.runner.phase_params[phase])
+    ref.runner.phase_params[phase] = dense
+    if phase == "prefill":
+        ref.runner.params, ref.runner.treedef = dense
+    return ref
+
+
+def decode_logprobs(llm, tokens, p=9):
+    """Prefill tokens[:p], then one-token decode steps over the rest: log-probs [T - p, V]."""
+    r, table = llm.runner, np.zeros((1, llm.runner.max_pages_per_seq), np.int32)
+    table[0, :4] = [3, 1, 2, 4]
+    out = [np.asarray(r.run(np.array([tokens[:p]], np.int32), [0], [p], table))[0]]
+    zeros = np.zeros((1,), np.int32)
+    for i, tok in enumerate(tokens[p:-1]):
+        res = r.step("decode", np.array([[tok]], np.int32), [p + i], [1], table, np.zeros_like(table), zeros)
+        out.append(np.asarray(res.logits)[0])
+    return torch.log_softmax(torch.tensor(np.stack(out)), -1).numpy()
+
+
+def check_against_reference(got, want, fmt, label):
+    bound = BOUNDS[fmt]
+    diff = np.abs(got - want).max(-1)
+    top2 = np.sort(want, -1)[:, -2:]
+    decided = top2[:, 1] - top2[:, 0] > 2 * bound
+    agree = got.argmax(-1) == want.argmax(-1)
+    print(f"{label}: max |logprob diff| {diff.max():.2e}, mean {diff.mean():.2e}; "
+          f"greedy agrees at {agree[decided].sum()}/{decided.sum()} decided positions ({agree.sum()}/{len(agree)} all)")
+    assert diff.max() <= bound
+    assert agree[decided].all() and decided.sum() >= 3  # not vacuous
+
+
+@pytest.mark.parametrize("fmt", list(BOUNDS))
+def test_decode_program_in_format(ckpt, fmt):
+    name, path = ckpt
+    q = LLM(path, decode_weights=fmt, **KW)
+    ref = reference_for(path, q, "decode")
+    tokens = PROMPT + list(ref.generate([PROMPT], max_tokens=8, ignore_eos=True)[0])  # the reference's greedy run
+    got = decode_logprobs(q, tokens)
+    check_against_reference(got, decode_logprobs(ref, tokens), fmt,
+                            f"{name} decode {fmt} [{q.runner.weight_paths()['decode']}]")
+    plain = np.abs(got - decode_logprobs(LLM(path, **KW), tokens)).max()
+    print(f"  (vs the unquantized model: {plain:.2e}: the format's own error, not bounded here)")
+
+
+@pytest.mark.parametrize("fmt", PREFILL_FORMATS)
+def test_prefill_program_in_format(ckpt, fmt):
+    name, path = ckpt
+    q = LLM(path, prefill_weights=fmt, **KW)
+    ref = reference_for(path, q, "prefill")
+    check_against_reference(q.logprobs(PROMPT), ref.logprobs(PROMPT), fmt, f"{name} prefill {fmt}")
