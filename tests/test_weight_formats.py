@@ -16,7 +16,7 @@ import pytest
 from safetensors import safe_open
 
 from jaxserve.quant import (QuantizedWeight, dequantize, get_weight_format, logical_axes_for, matmul, nbytes,
-                            pack_int4, quantize, repack_int4, shardings_for, unpack_int4,
+                            pack_int4, quantize, shardings_for, unpack_int4,
                             weight_format_names)
 from jaxserve.quant.fp8 import E4M3, E4M3_MAX
 
@@ -146,17 +146,11 @@ def test_int4_packing_layout_by_hand():
     np.testing.assert_array_equal(np.asarray(unpack_int4(packed, 4)).reshape(8, 1), q)
 
 
-def test_int4_pack_unpack_round_trip_and_retile():
+def test_int4_pack_unpack_round_trip():
     q = np.random.default_rng(4).integers(-8, 8, (2, 256, 24)).astype(np.int8)
     for tile in (32, 128, 256):
         back = np.asarray(unpack_int4(pack_int4(q, tile), tile)).reshape(q.shape)
         np.testing.assert_array_equal(back, q)
-    # Repack to the whole-K tile of pallas_kernels/int4_matmul: byte i = row i | row K/2 + i.
-    qw = quantize(rand((256, 24), seed=5), "int4:g32")
-    plain = np.asarray(unpack_int4(qw.values, 32)).reshape(256, 24)
-    whole = repack_int4(qw.values, 32, 256)
-    np.testing.assert_array_equal(whole, (plain[:128].view(np.uint8) & 15) | (plain[128:].view(np.uint8) << 4))
-    np.testing.assert_array_equal(repack_int4(whole, 256, 32), qw.values)
 
 
 # ------------------------------------------------------------------------- matmuls

@@ -20,12 +20,12 @@ the low nibbles and its last T/2 rows in the high nibbles of packed rows [t*T/2,
     for 0 <= j < T/2,  packed: uint8 [..., Kp/2, N],  scales: float32 [..., Kp/G, N]
 
 So per tile ``y = x[t*T : t*T+T/2] @ deq(lo_t) + x[t*T+T/2 : (t+1)*T] @ deq(hi_t)`` with no
-interleaving (DESIGN.md section 4), and lo_t / hi_t share the tile's one scale row.
+interleaving, and lo_t / hi_t share the tile's one scale row.
 Why tile = group rather than tile = all of K: a contiguous split of the packed rows over
 devices is then a contiguous split of K (when the groups divide over the devices), so a
 row-parallel weight (o_proj, down_proj: K sharded) keeps the activation's K sharding.
-A kernel that wants another tile (pallas_kernels/int4_matmul uses tile = K) converts with
-``repack_int4`` once at load.
+This is the project's one int4 layout and quantizer: the loader, ``jaxserve convert``, the
+CPU paths and pallas_kernels/int4_matmul (the GPU path) all read it as is.
 Bytes: Kp*N/2 + 4*(Kp/G)*N per matrix, i.e. 0.5 + 4/G B/param (g32 0.625, g128 0.53125).
 """
 from __future__ import annotations
@@ -68,15 +68,6 @@ def unpack_int4(packed, tile: int) -> jax.Array:
     lo = jnp.right_shift(jnp.left_shift(p, 4), 4)
     hi = jnp.right_shift(p, 4)
     return jnp.stack([lo, hi], axis=-3)
-
-
-def repack_int4(packed, from_tile: int, to_tile: int) -> np.ndarray:
-    """Host-side change of tile: uint8 [..., Kp/2, N] packed with ``from_tile`` -> same bytes
-    packed with ``to_tile``. E.g. ``repack_int4(qw.values, G, Kp)`` gives the whole-K tile
-    layout (low nibbles = rows [0, K/2), high = [K/2, K)) of pallas_kernels/int4_matmul."""
-    q = np.asarray(unpack_int4(packed, from_tile))
-    *lead, _, _, _, n = q.shape
-    return pack_int4(q.reshape(*lead, -1, n), to_tile)
 
 
 @dataclasses.dataclass(frozen=True)

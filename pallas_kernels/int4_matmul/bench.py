@@ -4,6 +4,7 @@ vs an unquantized bf16 matmul (the bandwidth baseline int4 should beat at decode
     .venv/bin/python -m pallas_kernels.int4_matmul.bench                  # sizes for this backend
     .venv/bin/python -m pallas_kernels.int4_matmul.bench --size large --group 32 128
 
+Weights come from jaxserve.quant.int4.Int4GroupFormat(G).quantize, the project's int4 format.
 On a CPU host the kernels run in interpret mode: ratios there only show that they run.
 Fixed seed; prints ms per call, ratios, weight bytes read per second, and the kernel's
 relative error against the reference (the correctness check on a GPU host).
@@ -24,8 +25,8 @@ from pallas_kernels.int4_matmul import (
     int4_grouped_matmul_reference,
     int4_matmul,
     int4_matmul_reference,
-    quantize_int4,
 )
+from jaxserve.quant.int4 import Int4GroupFormat
 
 # name: (M tokens, K, N, experts) -- large = one Kimi K2 expert projection (hidden 7168 -> 2048)
 SIZES = {"small": (8, 512, 256, 4), "large": (64, 7168, 2048, 16)}
@@ -54,13 +55,20 @@ def _report(title: str, times: dict, weight_bytes: int, err: float):
               f"kernel speedup x{ms / k:6.2f}")
 
 
+def _quantize(w: np.ndarray, group: int):
+    """w [..., K, N] -> (packed uint8 [..., K/2, N], scales f32 [..., K/G, N]) on the device
+    (K is a multiple of the group in every size here, so no padding)."""
+    qw = Int4GroupFormat(group).quantize(w)
+    return jnp.asarray(qw.values), jnp.asarray(qw.scales)
+
+
 def bench(size: str, group: int, iters: int, interpret: bool):
     m, k, n, e = SIZES[size]
     rng = np.random.default_rng(group)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.float32)
-    packed, scales = quantize_int4(w, group)
-    w_bf16 = w.astype(jnp.bfloat16)
+    w = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
+    packed, scales = _quantize(w, group)
+    w_bf16 = jnp.asarray(w, jnp.bfloat16)
     wbytes = packed.size + scales.size * scales.dtype.itemsize
 
     times = {
@@ -74,8 +82,8 @@ def bench(size: str, group: int, iters: int, interpret: bool):
                    int4_matmul_reference(x, packed, scales, group=group))
     _report(f"int4_matmul {size} M={m} K={k} N={n} g={group}", times, wbytes, err)
 
-    ws = jnp.asarray(rng.standard_normal((e, k, n)) * 0.05, jnp.float32)
-    packed_e, scales_e = jax.vmap(lambda wi: quantize_int4(wi, group))(ws)
+    ws = (rng.standard_normal((e, k, n)) * 0.05).astype(np.float32)
+    packed_e, scales_e = _quantize(ws, group)
     sizes = np.bincount(rng.integers(0, e, m), minlength=e).astype(np.int32)  # tokens sorted by expert
     gs = jnp.asarray(sizes)
     times = {
@@ -85,7 +93,7 @@ def bench(size: str, group: int, iters: int, interpret: bool):
                            iters=iters),
         "xla": _time(jax.jit(lambda x, p, s, g: lax.ragged_dot(x, dequantize_int4(p, s, group, jnp.bfloat16), g)),
                      x, packed_e, scales_e, gs, iters=iters),
-        "bf16 dense": _time(jax.jit(lambda x, w, g: lax.ragged_dot(x, w, g)), x, ws.astype(jnp.bfloat16), gs,
+        "bf16 dense": _time(jax.jit(lambda x, w, g: lax.ragged_dot(x, w, g)), x, jnp.asarray(ws, jnp.bfloat16), gs,
                             iters=iters),
     }
     err = _rel_err(int4_grouped_matmul(x, packed_e, scales_e, gs, group=group, interpret=interpret),

@@ -1,17 +1,19 @@
 """Pallas W4A16 matmuls (dense and ragged-by-expert), written for the Triton GPU backend.
 
-One program per (row block [bm], column block [bn]); the K reduction is a `fori_loop` inside
-the kernel (Triton has no scratch and no sequential grid axis to accumulate across). Each
-step reads `step` packed rows (step = group, or half a group when the packing tile is the
-group), whose low nibbles are K rows lo.. and high nibbles K rows lo + T/2.. (T = packing
-tile, reference.py), each half inside one scale group:
+Weights in jaxserve.quant.int4's layout (``Int4GroupFormat(G).quantize``; the spec is
+reference.py): packed [K/2, N] uint8 with packing tile = group, scales [K/G, N].
 
-    acc += (x[:, lo rows] @ lo_int) * s[lo group] + (x[:, hi rows] @ hi_int) * s[hi group]
+One program per (row block [bm], column block [bn]); the K reduction is a `fori_loop` inside
+the kernel (Triton has no scratch and no sequential grid axis to accumulate across). Step i
+reads scale group i: G/2 packed rows, whose low nibbles are K rows [i*G, i*G + G/2) and
+high nibbles K rows [i*G + G/2, (i+1)*G), and the group's one scale row:
+
+    acc += (x[:, lo rows] @ lo_int + x[:, hi rows] @ hi_int) * s[i]
 
 Scales multiply the f32 dot result (one scale per group and column), so the int4 values
 enter the dot exactly and no dequantized weight is ever rounded to bf16.
 
-Triton rules followed: power-of-two loads; dot dims >= 16 (M padded to bm = 16, step >= 16);
+Triton rules followed: power-of-two loads; dot dims >= 16 (M padded to bm = 16, G/2 >= 16);
 packed bytes are bitcast to int8 outside the kernel so the shifts are arithmetic (sign
 extension) and the dot sees a signed type; the grouped kernel gets expert offsets and each
 row tile's expert range as ordinary blocks (no scalar prefetch) and loops over experts.
@@ -28,7 +30,7 @@ from jax.experimental.pallas import triton as pl_triton
 
 from pallas_kernels.int4_matmul import validate
 
-_STATIC = ("group", "tile", "interpret", "block_m", "block_n", "num_warps", "num_stages")
+_STATIC = ("group", "interpret", "block_m", "block_n", "num_warps", "num_stages")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -39,60 +41,54 @@ def _nn(a, b):
     return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _tile_product(x_ref, load_w, load_s, k: int, group: int, tile: int, bm: int, bn: int):
-    """x_ref [bm, K] . int4 weights -> [bm, bn] f32.
+def _group_product(x_ref, load_w, load_s, k: int, group: int, bm: int, bn: int):
+    """x_ref [bm, K] . int4 weights -> [bm, bn] f32, one scale group per step.
 
-    Steps over the packed rows `step` at a time (step = min(group, tile/2): one scale group
-    per half). load_w(r) -> packed int8 rows [r, r + step) x [bn]; load_s(i) -> [1, bn]
-    scales of K-group i."""
-    half = tile // 2
-    step = min(group, half)
+    load_w(r) -> packed int8 rows [r, r + G/2) x [bn]; load_s(i) -> [1, bn] scales of group i."""
+    half = group // 2
     cdt = x_ref.dtype
 
     def body(i, acc):
-        r = i * step  # first packed row of this step
-        t = r // half  # its tile
-        lo_row = pl.multiple_of(t * tile + (r - t * half), step)  # K row of its low nibbles
-        hi_row = pl.multiple_of(lo_row + half, step)
-        w = load_w(pl.multiple_of(r, step))
+        w = load_w(pl.multiple_of(i * half, half))  # group i's packed rows
         lo = ((w << 4) >> 4).astype(cdt)  # int8 shifts are arithmetic: sign extension
         hi = (w >> 4).astype(cdt)
-        acc += _nn(x_ref[:, pl.ds(lo_row, step)], lo) * load_s(lo_row // group).astype(jnp.float32)
-        acc += _nn(x_ref[:, pl.ds(hi_row, step)], hi) * load_s(hi_row // group).astype(jnp.float32)
-        return acc
+        lo_row = pl.multiple_of(i * group, half)  # K rows of the low nibbles; high: + G/2
+        hi_row = pl.multiple_of(i * group + half, half)
+        part = _nn(x_ref[:, pl.ds(lo_row, half)], lo) + _nn(x_ref[:, pl.ds(hi_row, half)], hi)
+        return acc + part * load_s(i).astype(jnp.float32)
 
-    return lax.fori_loop(0, k // 2 // step, body, jnp.zeros((bm, bn), jnp.float32))
+    return lax.fori_loop(0, k // group, body, jnp.zeros((bm, bn), jnp.float32))
 
 
-def _dense_kernel(x_ref, w_ref, s_ref, o_ref, *, k, group, tile):
-    """Blocks: x [bm, K], w int8 [K/2, bn], s [K/g, bn] -> o [bm, bn]."""
+def _dense_kernel(x_ref, w_ref, s_ref, o_ref, *, k, group):
+    """Blocks: x [bm, K], w int8 [K/2, bn], s [K/G, bn] -> o [bm, bn]."""
     bm, bn = o_ref.shape
-    step = min(group, tile // 2)
-    acc = _tile_product(
+    half = group // 2
+    acc = _group_product(
         x_ref,
-        lambda r: w_ref[pl.ds(r, step), :],
+        lambda r: w_ref[pl.ds(r, half), :],
         lambda i: s_ref[pl.ds(i, 1), :],
-        k, group, tile, bm, bn,
+        k, group, bm, bn,
     )
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _grouped_kernel(x_ref, w_ref, s_ref, start_ref, end_ref, tile_ref, o_ref, *, k, group, tile):
-    """Blocks: x [bm, K]; w int8 [E, K/2, bn]; s [E, K/g, bn]; expert row offsets start/end [E];
+def _grouped_kernel(x_ref, w_ref, s_ref, start_ref, end_ref, tile_ref, o_ref, *, k, group):
+    """Blocks: x [bm, K]; w int8 [E, K/2, bn]; s [E, K/G, bn]; expert row offsets start/end [E];
     tile_ref [2] = experts [first, stop) overlapping this row tile -> o [bm, bn]."""
     bm, bn = o_ref.shape
-    step = min(group, tile // 2)
+    half = group // 2
     rows = pl.program_id(0) * bm + jnp.arange(bm, dtype=jnp.int32)
 
     def expert(e, acc):
         start, end = start_ref[e], end_ref[e]
 
         def add(acc):
-            y = _tile_product(
+            y = _group_product(
                 x_ref,
-                lambda r: w_ref[e, pl.ds(r, step), :],
+                lambda r: w_ref[e, pl.ds(r, half), :],
                 lambda i: s_ref[e, pl.ds(i, 1), :],
-                k, group, tile, bm, bn,
+                k, group, bm, bn,
             )
             # Rows of this tile that belong to other experts were computed too; drop them.
             mine = (rows >= start) & (rows < end)
@@ -109,14 +105,14 @@ def _params(num_warps: int, num_stages: int):
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _dense(x, packed, scales, *, group, tile, interpret, block_m, block_n, num_warps, num_stages):
+def _dense(x, packed, scales, *, group, interpret, block_m, block_n, num_warps, num_stages):
     m, k = x.shape
     n = packed.shape[1]
     mp = _cdiv(m, block_m) * block_m
     xp = jnp.pad(x, ((0, mp - m), (0, 0)))
     w = lax.bitcast_convert_type(packed, jnp.int8)
     out = pl.pallas_call(
-        functools.partial(_dense_kernel, k=k, group=group, tile=tile),
+        functools.partial(_dense_kernel, k=k, group=group),
         grid=(mp // block_m, n // block_n),
         in_specs=[
             pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
@@ -144,7 +140,7 @@ def tile_expert_ranges(group_sizes, rows_padded: int, block_m: int):
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _grouped(x, packed, scales, group_sizes, *, group, tile, interpret, block_m, block_n, num_warps, num_stages):
+def _grouped(x, packed, scales, group_sizes, *, group, interpret, block_m, block_n, num_warps, num_stages):
     m, k = x.shape
     e, _, n = packed.shape
     mp = _cdiv(m, block_m) * block_m
@@ -152,7 +148,7 @@ def _grouped(x, packed, scales, group_sizes, *, group, tile, interpret, block_m,
     w = lax.bitcast_convert_type(packed, jnp.int8)
     start, end, tiles = tile_expert_ranges(group_sizes, mp, block_m)
     out = pl.pallas_call(
-        functools.partial(_grouped_kernel, k=k, group=group, tile=tile),
+        functools.partial(_grouped_kernel, k=k, group=group),
         grid=(mp // block_m, n // block_n),
         in_specs=[
             pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
@@ -184,15 +180,17 @@ def int4_matmul(x, packed, scales, *, group: int, tile: int | None = None, inter
                 block_m: int = 16, block_n: int | None = None, num_warps: int = 4, num_stages: int = 2):
     """x [M, K] (bf16/f16/f32) @ int4 weights -> [M, N] in x.dtype.
 
-    packed [K/2, N] uint8 and scales [K/group, N] from `quantize_int4` (see reference.py for
-    the layout); `tile` is the packing tile (None = K; group = jaxserve.quant's layout).
+    packed [K/2, N] uint8 and scales [K/group, N] (float32, or bf16/f16) as
+    ``jaxserve.quant.int4.Int4GroupFormat(group).quantize`` stores them (``values``,
+    ``scales``; layout in reference.py); K is the padded K, so pad x with zero columns.
+    `tile` only states the packing tile: None or `group` (the only layout).
     block_n defaults to the largest power of two <= 128 dividing N.
     """
     dims = validate.check_weights(x, packed, scales, group, experts=None, tile=tile)
     bm, bn = _blocks(block_m, block_n, dims["block_n"])
     if dims["n"] % bn:
         raise ValueError(f"block_n={bn} must divide N={dims['n']}")
-    return _dense(x, packed, scales, group=group, tile=dims["tile"], interpret=interpret,
+    return _dense(x, packed, scales, group=group, interpret=interpret,
                   block_m=bm, block_n=bn, num_warps=num_warps, num_stages=num_stages)
 
 
@@ -201,6 +199,7 @@ def int4_grouped_matmul(x, packed, scales, group_sizes, *, group: int, tile: int
                         num_warps: int = 4, num_stages: int = 2):
     """Ragged-by-expert W4A16 (MoE): x [M, K] sorted by expert; packed [E, K/2, N] uint8;
     scales [E, K/group, N]; group_sizes [E] int32 (rows per expert, in order) -> [M, N].
+    Weights and `tile` as in `int4_matmul`.
 
     Rows past sum(group_sizes) come back 0 (like lax.ragged_dot). A row tile that spans
     several experts is computed once per expert and masked, so small block_m wastes least.
@@ -211,5 +210,5 @@ def int4_grouped_matmul(x, packed, scales, group_sizes, *, group: int, tile: int
     bm, bn = _blocks(block_m, block_n, dims["block_n"])
     if dims["n"] % bn:
         raise ValueError(f"block_n={bn} must divide N={dims['n']}")
-    return _grouped(x, packed, scales, group_sizes, group=group, tile=dims["tile"], interpret=interpret,
+    return _grouped(x, packed, scales, group_sizes, group=group, interpret=interpret,
                     block_m=bm, block_n=bn, num_warps=num_warps, num_stages=num_stages)

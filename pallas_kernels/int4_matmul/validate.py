@@ -1,4 +1,5 @@
-"""Input checks for the int4 (W4A16) matmul kernels.
+"""Input checks for the int4 (W4A16) matmul kernels (layout: reference.py, i.e.
+jaxserve.quant.int4's: group-wise scales, packing tile = group).
 
 Static checks always run (also under jit); group_sizes values are checked on the host when
 they are concrete (non-negative, sum <= M), skipped for tracers.
@@ -27,26 +28,20 @@ def _names(allowed) -> str:
 
 
 def check_group(group: int) -> None:
-    if not is_pow2(group) or group < MIN_DOT:
-        raise ValueError(f"group={group} must be a power of two >= {MIN_DOT} (32, 64 and 128 are the shipped ones)")
+    """The kernel steps over one scale group at a time: G/2 packed rows, whose low nibbles are
+    K rows [i*G, i*G + G/2) and high nibbles [i*G + G/2, (i+1)*G). G/2 is a dot dimension,
+    so G must be a power of two >= 2 * 16."""
+    if not is_pow2(group) or group < 2 * MIN_DOT:
+        raise ValueError(f"group={group} must be a power of two >= {2 * MIN_DOT} "
+                         "(32, 64 and 128 are the shipped ones)")
 
 
-def check_tile(k: int, group: int, tile: int | None) -> int:
-    """-> the packing tile T (None -> K). T must divide K and be `group` or a multiple of
-    2 * group, so each half of a tile holds whole scale groups (or half of one group)."""
-    t = k if tile is None else tile
-    if t <= 0 or k % t or not (t == group or t % (2 * group) == 0):
-        raise ValueError(f"tile={t} must divide K={k} and be group={group} or a multiple of 2 * group")
-    return t
-
-
-def kernel_step(group: int, tile: int) -> int:
-    """Packed rows per inner step: a whole group, or half a tile when tile == group. The step
-    is a dot dimension, so it must be a power of two >= 16 (group 32 at least when tile == group)."""
-    step = min(group, tile // 2)
-    if not is_pow2(step) or step < MIN_DOT:
-        raise ValueError(f"group={group}, tile={tile}: inner step {step} rows must be a power of two >= {MIN_DOT}")
-    return step
+def check_tile(group: int, tile: int | None) -> None:
+    """The packing tile is the group (jaxserve.quant's layout, the only one); ``tile`` may
+    state it (None or ``group``), nothing else is accepted."""
+    if tile is not None and tile != group:
+        raise ValueError(f"tile={tile}: int4 weights are packed with tile = group = {group} "
+                         "(jaxserve.quant.int4's layout), no other tile is supported")
 
 
 def block_n_for(n: int, max_block: int = 128) -> int:
@@ -60,8 +55,11 @@ def block_n_for(n: int, max_block: int = 128) -> int:
 
 
 def check_weights(x, packed, scales, group: int, experts: int | None, tile: int | None = None) -> dict:
-    """x [M, K]; packed [(E,) K/2, N] uint8; scales [(E,) K/g, N]. -> dims (incl. tile, step)."""
+    """x [M, K]; packed [(E,) K/2, N] uint8; scales [(E,) K/g, N]. -> dims.
+
+    K is the padded K (a multiple of the group): callers pad x with zero columns."""
     check_group(group)
+    check_tile(group, tile)
     if x.ndim != 2:
         raise ValueError(f"x: expected [M, K], got shape {tuple(x.shape)}")
     if not _dtype_in(x, X_DTYPES):
@@ -74,8 +72,9 @@ def check_weights(x, packed, scales, group: int, experts: int | None, tile: int 
     if jnp.dtype(packed.dtype) != jnp.uint8:
         raise TypeError(f"packed: dtype {jnp.dtype(packed.dtype).name}; int4 weights are stored as uint8 (two nibbles)")
     m, k = x.shape
-    t = check_tile(k, group, tile)
-    step = kernel_step(group, t)
+    if k % group:
+        raise ValueError(f"x: K={k} must be a multiple of group={group} (pad x with zero columns to "
+                         "the weights' padded K)")
     n = packed.shape[-1]
     if tuple(packed.shape) != lead + (k // 2, n):
         raise ValueError(f"packed: expected shape {lead + (k // 2, n)} for K={k}, got {tuple(packed.shape)}")
@@ -83,7 +82,7 @@ def check_weights(x, packed, scales, group: int, experts: int | None, tile: int 
         raise ValueError(f"scales: expected shape {lead + (k // group, n)} (group {group}), got {tuple(scales.shape)}")
     if not _dtype_in(scales, SCALE_DTYPES):
         raise TypeError(f"scales: dtype {jnp.dtype(scales.dtype).name}; expected one of {_names(SCALE_DTYPES)}")
-    return dict(m=m, k=k, n=n, block_n=block_n_for(n), tile=t, step=step)
+    return dict(m=m, k=k, n=n, block_n=block_n_for(n))
 
 
 def check_group_sizes(group_sizes, experts: int, rows: int) -> None:

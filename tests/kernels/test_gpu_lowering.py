@@ -39,12 +39,14 @@ def _mla_case(dtype, page_size, heads, splits):
 
 
 def _int4_case(group, dtype, m=8, k=7168, n=2048, tile=None):
+    """Weights as jaxserve.quant.int4.Int4GroupFormat(group) stores them (tile = group);
+    tile=group states it explicitly, as jaxserve.quant.paths does."""
     args = (S((m, k), dtype), S((k // 2, n), jnp.uint8), S((k // group, n), jnp.float32))
     return functools.partial(int4_matmul, group=group, tile=tile), args
 
 
-def _grouped_case(group, dtype, experts=384, m=64, k=7168, n=2048, tile=None):
-    args = (S((m, k), dtype), S((experts, k // 2, n), jnp.uint8), S((experts, k // group, n), jnp.bfloat16),
+def _grouped_case(group, dtype, experts=384, m=64, k=7168, n=2048, tile=None, scale_dtype=jnp.float32):
+    args = (S((m, k), dtype), S((experts, k // 2, n), jnp.uint8), S((experts, k // group, n), scale_dtype),
             S((experts,), jnp.int32))
     return functools.partial(int4_grouped_matmul, group=group, tile=tile), args
 
@@ -59,12 +61,12 @@ CASES = {
     "mla-bf16-s16-h16": _mla_case(jnp.bfloat16, 16, 16, 1),
     "mla-fp8-s16-h64-split4": _mla_case(jnp.float8_e4m3fn, 16, 64, 4),
     "mla-fp8-s8-h8": _mla_case(jnp.float8_e4m3fn, 8, 8, 1),
-    "int4-g32-bf16": _int4_case(32, jnp.bfloat16),
+    "int4-g32-bf16": _int4_case(32, jnp.bfloat16),  # inner step G/2 = 16
     "int4-g64-f16": _int4_case(64, jnp.float16),
     "int4-g128-bf16-m1": _int4_case(128, jnp.bfloat16, m=1),
-    "int4-g32-tile32-bf16": _int4_case(32, jnp.bfloat16, tile=32),  # jaxserve.quant layout: step 16
+    "int4-g32-tile32-bf16": _int4_case(32, jnp.bfloat16, tile=32),  # as jaxserve.quant.paths calls it
     "int4-grouped-g32-bf16": _grouped_case(32, jnp.bfloat16),
-    "int4-grouped-g32-tile32-bf16": _grouped_case(32, jnp.bfloat16, tile=32),
+    "int4-grouped-g32-tile32-bf16-bf16scales": _grouped_case(32, jnp.bfloat16, tile=32, scale_dtype=jnp.bfloat16),
     "int4-grouped-g128-bf16": _grouped_case(128, jnp.bfloat16, experts=8, k=2048, n=7168),
     "int4-grouped-g128-tile128-f16": _grouped_case(128, jnp.float16, experts=8, k=2048, n=7168, tile=128),
 }
