@@ -182,6 +182,18 @@ class ModelRunner:
             self._jitted[name] = jax.jit(step, donate_argnums=(1,))
         return self._jitted[name]
 
+    def lower(self, phase: str, batch: int, tokens: int = 1, platform: str | None = None):
+        """The serving program ``phase`` lowered for one bucket (batch rows x new tokens), for
+        inspection: ``.as_text()`` (StableHLO), ``.compile().as_text()`` (optimized HLO), or for
+        another platform (``platform="cuda"`` lowers without a GPU; the matmul and attention
+        backends are the runner's). Inputs are abstract: nothing runs."""
+        abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+        b, m = jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch, self.max_pages_per_seq), jnp.int32)
+        inp = StepInput(tokens=jax.ShapeDtypeStruct((batch, tokens), jnp.int32), cached_lens=b, new_lens=b, page_table=m)
+        args = jax.tree.map(abstract, (self.phase_params[phase][0], self.kv, self.generation))
+        traced = self._program(phase).trace(*args, inp, m, b)
+        return traced.lower(lowering_platforms=(platform,)) if platform else traced.lower()
+
     def _unchecked(self):
         if "all_logits" not in self._jitted:
             self._jitted["all_logits"] = jax.jit(self._model_fn(True), donate_argnums=(1,))

@@ -156,13 +156,13 @@ def fp8_native_ragged(x, qw, sizes):
 
 
 def _int4_kernel(interpret: bool):
-    from pallas_kernels.int4_matmul import int4_grouped_matmul, int4_matmul
-
     def prep(x, qw):
         kp = 2 * qw.values.shape[-2]
         return jnp.pad(x, ((0, 0), (0, kp - x.shape[1]))).astype(jnp.bfloat16), qw.fmt.group
 
     def dense(x, qw):
+        from pallas_kernels.int4_matmul import int4_matmul  # only when a program traces this path
+
         xp, g = prep(x, qw)
         try:
             y = int4_matmul(xp, qw.values, qw.scales, group=g, tile=g, interpret=interpret)
@@ -171,6 +171,8 @@ def _int4_kernel(interpret: bool):
         return y.astype(jnp.float32)
 
     def ragged(x, qw, sizes):
+        from pallas_kernels.int4_matmul import int4_grouped_matmul
+
         xp, g = prep(x, qw)
         try:
             y = int4_grouped_matmul(xp, qw.values, qw.scales, sizes, group=g, tile=g, interpret=interpret)
