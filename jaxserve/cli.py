@@ -63,7 +63,28 @@ def add_generate(sub) -> None:
     p.add_argument("--num-pages", type=int, default=256)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--no-warmup", action="store_true", help="skip the compile warm-up (tokens/s then include it)")
+    add_format_args(p)
     p.set_defaults(func=run_generate)
+
+
+def add_format_args(p) -> None:
+    """Per-phase weight formats and the matmul backend (shared by generate and serve)."""
+    p.add_argument("--prefill-weights", default=None,
+                   help="prefill weight format: bf16 | int8 | fp8_e4m3 | fp8:block128 (default: as loaded)")
+    p.add_argument("--decode-weights", default=None,
+                   help="decode weight format: bf16 | int8 | fp8_e4m3 | fp8:block128 | int4:g32|g64|g128 "
+                        "(default: as loaded)")
+    p.add_argument("--matmul-backend", default="auto", choices=["auto", "cpu", "gpu", "interpret"],
+                   help="quantized matmul formulations (auto: gpu on a GPU host, else cpu)")
+    p.add_argument("--preset", default=None, help="a named configuration (article: fp8 KV, fp8 prefill, int4 decode)")
+
+
+def format_kwargs(args) -> dict:
+    kw = dict(prefill_weights=args.prefill_weights, decode_weights=args.decode_weights,
+              matmul_backend=args.matmul_backend)
+    if args.preset is not None:
+        kw["preset"] = args.preset
+    return kw
 
 
 def run_generate(args) -> int:
@@ -76,8 +97,10 @@ def run_generate(args) -> int:
     t0 = time.perf_counter()
     llm = LLM(
         args.model, dtype=args.dtype, kv_format=args.kv_format, num_devices=args.num_devices,
-        num_pages=args.num_pages, page_size=args.page_size,
+        num_pages=args.num_pages, page_size=args.page_size, **format_kwargs(args),
     )
+    for phase, path in llm.runner.weight_paths().items():
+        print(f"[{phase} matmuls] {path}", file=sys.stderr)
     use_template = args.chat_template and llm.tokenizer is not None and llm.tokenizer.chat_template
     texts = [llm.apply_chat_template(p) if use_template else p for p in args.prompts]
     prompts = texts + args.prompt_ids

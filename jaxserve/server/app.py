@@ -79,6 +79,8 @@ class Server:
         if self.metrics_port is not None:
             self._http, _, self.metrics_port = self.metrics.serve_http(self.metrics_port, self.host)
         log.info("listening on %s:%d (metrics %s); warming up", self.host, self.port, self.metrics_port)
+        for phase in ("prefill", "decode"):
+            log.info("%s matmuls: %s", phase, getattr(self.info, phase).matmul_path)
         self.engine_loop.start()
 
     @property

@@ -39,12 +39,15 @@ def register_serve(sub) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-integrity-check", action="store_true")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from jaxserve.cli import add_format_args
+
+    add_format_args(p)
     p.set_defaults(func=run_serve)
 
 
 def run_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from jaxserve.cli import _enable_compile_cache, _ensure_cpu_devices
+    from jaxserve.cli import _enable_compile_cache, _ensure_cpu_devices, format_kwargs
 
     _ensure_cpu_devices(args.num_devices)
     _enable_compile_cache()
@@ -56,6 +59,7 @@ def run_serve(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_seqs=args.max_prefill_seqs,
         prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, integrity_check=not args.no_integrity_check,
+        **format_kwargs(args),
     )
     return asyncio.run(_serve(args, llm))
 

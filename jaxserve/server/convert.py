@@ -112,11 +112,13 @@ def phase_formats(llm) -> dict[str, dict[str, str]]:
     today; a config that names per-phase formats (prefill_weights, ...) takes precedence."""
     cfg = llm.engine.config
     dtype = loaded_dtype(llm)
+    paths = llm.runner.weight_paths()
     out = {}
     for phase in ("prefill", "decode"):
         out[phase] = {
             "weights": str(getattr(cfg, f"{phase}_weights", None) or dtype),
             "kv_cache": str(getattr(cfg, f"{phase}_kv_format", None) or llm.fmt.name),
+            "matmul_path": paths[phase],
         }
     return out
 

@@ -185,12 +185,14 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PhaseFormats(_message.Message):
-    __slots__ = ("weights", "kv_cache")
+    __slots__ = ("weights", "kv_cache", "matmul_path")
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    MATMUL_PATH_FIELD_NUMBER: _ClassVar[int]
     weights: str
     kv_cache: str
-    def __init__(self, weights: _Optional[str] = ..., kv_cache: _Optional[str] = ...) -> None: ...
+    matmul_path: str
+    def __init__(self, weights: _Optional[str] = ..., kv_cache: _Optional[str] = ..., matmul_path: _Optional[str] = ...) -> None: ...
 
 class KvPages(_message.Message):
     __slots__ = ("total", "used", "free")

@@ -110,6 +110,8 @@ def test_model_info_reports_formats_pool_and_fingerprint(served, llm):
     assert info.architecture == "LlamaForCausalLM" and info.dtype == "float32"
     assert (info.prefill.weights, info.decode.weights) == ("float32", "float32")
     assert (info.prefill.kv_cache, info.decode.kv_cache) == ("float32", "float32")
+    assert info.decode.matmul_path == llm.runner.weight_paths()["decode"]
+    assert info.decode.matmul_path.startswith("as loaded -> xla:dot (")
     assert (info.page_size, info.num_pages, info.max_context) == (8, 64, 256)
     assert info.vocab_size == 49152 and info.has_tokenizer and list(info.eos_token_ids) == [2]
     assert info.kv_pages.total == 63 and info.kv_pages.used == 0
