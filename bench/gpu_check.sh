@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One prepared GPU check (H100/H200), a few minutes: every kernel against its pure-jnp
 # reference at engine sizes, timed against the XLA path, with achieved GB/s; plus the device
-# copy bandwidth those GB/s are compared with, and the tiny engine under the Pallas backend.
+# copy bandwidth those GB/s are compared with, the tiny engine under the Pallas backend, and
+# decode tok/s at 1/8/32 requests for bf16, fp8 (native e4m3 dots) and int4 (Pallas W4A16)
+# weights on SmolLM2-135M and the tiny Kimi-shaped MoE, as ratios to bf16 (~5 minutes).
 # Usage (repository root, on the GPU machine):  bash bench/gpu_check.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,4 +27,13 @@ PY
 $PY -m pallas_kernels.paged_attention.bench --size small large 2>&1 | tee "$OUT/paged_attention.txt"
 $PY -m pallas_kernels.int4_matmul.bench --group 32 128 2>&1 | tee "$OUT/int4_matmul.txt"
 $PY -m pytest -q tests/engine/test_attention_backend.py 2>&1 | tail -3 | tee "$OUT/engine_backend.txt"
+# Weight formats through the engine on the GPU paths (jaxserve.quant.paths: gpu). Prefill stays
+# bf16 for the int4 row (the article's phase split); the tables print ratios paired by repeat.
+WCONF=bf16=bf16/bf16,fp8=fp8_e4m3/fp8_e4m3,int4=bf16/int4:g32
+for m in smollm2 tiny-moe; do
+  model=(); [ "$m" = tiny-moe ] && model=(--model checkpoints/tiny-kimi-k2)
+  $PY -m jaxserve.experiments weights "${model[@]}" --configs "$WCONF" --baseline bf16 --dtype bfloat16 \
+    --levels 1,8,32 --prompt-len 64 --max-tokens 32 --reps 2 --no-plots --out "$OUT" --name "weights_$m" \
+    2>&1 | tail -40 | tee "$OUT/weights_$m.txt"
+done
 echo "results in $OUT"

@@ -31,6 +31,11 @@ def dense_leaves(leaves, treedef):
     """A phase's parameter leaves with every PhaseWeight replaced by its numpy-decoded float32
     array in the parameter's shape: the dense model built from the dequantized weights."""
     state = jax.tree.unflatten(treedef, leaves)
-    dense = jax.tree.map(lambda x: np_dequant32(x.qw).reshape(x.shape) if isinstance(x, PhaseWeight) else x, state,
-                         is_leaf=lambda x: isinstance(x, PhaseWeight))
+    def one(x):
+        if not isinstance(x, PhaseWeight):
+            return x
+        w = np_dequant32(x.qw)
+        return (w.T if x.transposed else w).reshape(x.shape)  # a tied table is stored as the head
+
+    dense = jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, PhaseWeight))
     return jax.tree.flatten(dense)

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from jaxserve.quant import quantize
-from jaxserve.quant.linear import (BACKENDS, describe, expert_linear, head_columns, linear, matmul, path_for,
-                                   ragged_matmul, use_backend)
+from jaxserve.quant.linear import (BACKENDS, describe, embedding, expert_linear, head_columns, linear, matmul,
+                                   path_for, ragged_matmul, tied_head, use_backend)
 from jaxserve.quant.paths import PATHS, expert_of_row, tile_cols
 from jaxserve.quant.phase import PhaseWeight
 from quant_reference import np_dequant32
@@ -186,3 +186,21 @@ def test_plain_weights_keep_the_plain_dot():
     e = rand((2, 16, 8), seed=22)
     y = expert_linear(jnp.asarray(x), jnp.asarray(e), jnp.array([1, 2], jnp.int32))
     np.testing.assert_allclose(np.asarray(y), np.concatenate([x[:1] @ e[0], x[1:] @ e[1]]), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tied_embedding_lookup_and_head(fmt):
+    """A tied table [V, D] stored as the head [D, V]: the lookup gathers the tokens' columns
+    (numpy-decoded rows), the head is the format's matmul."""
+    v, d = 300, 136  # V not a multiple of 128: a partial fp8 block column
+    table = rand((v, d), seed=30)
+    pw = PhaseWeight(quantize(table.T, fmt), (v, d), transposed=True)
+    tokens = jnp.array([[5, 299, 5], [0, 128, 257]], jnp.int32)
+    rows = np.asarray(jax.jit(embedding)(tokens, pw))
+    np.testing.assert_array_equal(rows, np_dequant32(pw.qw).T[np.asarray(tokens)])
+    np.testing.assert_array_equal(np.asarray(pw.dense(jnp.float32)), np_dequant32(pw.qw).T)
+    x = rand((3, d), seed=31)
+    with use_backend("cpu"):
+        y = jax.jit(tied_head)(jnp.asarray(x), pw)
+    assert y.shape == (3, v) and y.dtype == jnp.float32
+    check(path_for(fmt, "cpu"), y, x, pw.qw, np_dequant32(pw.qw))

@@ -38,6 +38,7 @@ def parse_args(argv=None):
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the embedded SmolLM2)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--kv-format", default="bf16")
+    ap.add_argument("--decode-weights", default=None, help="decode weight format (default: as loaded)")
     ap.add_argument("--batch", type=int, action="append", default=None, help="repeat for several (default 1 and 32)")
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps")
@@ -147,7 +148,8 @@ def profile_batch(args, batch: int, dump_dir: str) -> dict:
     llm = LLM(args.model, dtype=args.dtype, kv_format=args.kv_format, page_size=args.page_size,
               num_pages=args.num_pages or batch * -(-total // args.page_size) + 2, max_num_seqs=batch, max_prefill_seqs=min(batch, 8),
               prefill_chunk=128, max_num_batched_tokens=1024, max_model_len=max_len,
-              enable_prefix_caching=False, integrity_check=not args.no_integrity_check)
+              enable_prefix_caching=False, integrity_check=not args.no_integrity_check,
+              decode_weights=args.decode_weights)
     engine, runner = llm.engine, llm.runner
     work = make_workload(batch, (args.context, args.context), (1, 1), llm.cfg.vocab_size, seed=batch)
     sp = SamplingParams(max_tokens=total - args.context, ignore_eos=True)

@@ -174,7 +174,7 @@ def load_model(path, dtype=None, mesh=None):
     from jaxserve.checkpoint.prequantized import CheckpointError
     from jaxserve.config import ModelConfig
     from jaxserve.models import get_architecture
-    from jaxserve.quant.phase import PhaseSet, PhaseWeight, matrix_view, qw_shardings
+    from jaxserve.quant.phase import PhaseSet, matrix_view, phase_weight, qw_shardings
     from jaxserve.quant.qweight import QuantizedWeight
     from jaxserve.sharding import named
 
@@ -226,7 +226,7 @@ def load_model(path, dtype=None, mesh=None):
         shape = tuple(var.get_value().shape)
         axes = var.get_metadata().get("logical_axes") or (None,) * len(shape)
         qw = QuantizedWeight(leaf["values"], leaf.get("scales"), fmt, matrix_view(key, shape, axes)[0])
-        return PhaseWeight(qw, shape)
+        return phase_weight(key, qw, shape)
 
     labels = (meta["prefill_weights"], meta["decode_weights"])
     loaded = []

@@ -82,6 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--kv-format", default="bf16")
     w.add_argument("--page-size", type=int, default=16)
     w.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    w.add_argument("--baseline", default=None, help="config the ratios are taken against (default: float32 if run)")
+    w.add_argument("--matmul-backend", default="auto", choices=["auto", "cpu", "gpu", "interpret"])
     w.set_defaults(func=_run_weights)
 
     q = sub.add_parser("quality", help="perplexity / KL / top-1 vs the float32 reference on pydoc text, with CIs",
@@ -144,7 +146,8 @@ def _run_weights(args) -> int:
 
     common.enable_compile_cache()
     r = weights.run(args.model, args.configs, args.levels, args.prompt_len, args.max_tokens, args.reps,
-                    args.kv_format, args.page_size, args.dtype, args.seed, args.out, args.name, not args.no_plots)
+                    args.kv_format, args.page_size, args.dtype, args.seed, args.out, args.name, not args.no_plots,
+                    baseline=args.baseline, matmul_backend=args.matmul_backend)
     print(weights.markdown(r))
     return _print_files(r)
 

@@ -25,6 +25,7 @@ from jaxserve.experiments import common
 DEFAULT_CONFIGS = (
     "float32=none/none",
     "bf16=bf16/bf16",
+    "int8=int8/int8",
     "fp8=fp8:block128/fp8:block128",
     "int4=int4:g32/int4:g32",
     "phase-aware=fp8:block128/int4:g32",
@@ -41,14 +42,16 @@ def parse_config(spec: str) -> tuple[str, str | None, str | None]:
     return name.strip(), norm(pre), norm(dec)
 
 
-def build(model, name, prefill, decode, dtype, kv_format, num_pages, page_size, max_level, prompt_len, max_len):
+def build(model, name, prefill, decode, dtype, kv_format, num_pages, page_size, max_level, prompt_len, max_len,
+          matmul_backend="auto"):
     """-> (LLM, emulated_int4_prefill: bool)."""
     from jaxserve import LLM
 
     emulate = prefill is not None and prefill.lower().startswith("int4")
     kw = dict(dtype=dtype, kv_format=kv_format, num_pages=num_pages, page_size=page_size,
               max_num_seqs=max_level, max_prefill_seqs=max_level, max_num_batched_tokens=max_level * prompt_len,
-              prefill_chunk=max(prompt_len, 16), max_model_len=max_len, enable_prefix_caching=False)
+              prefill_chunk=max(prompt_len, 16), max_model_len=max_len, enable_prefix_caching=False,
+              matmul_backend=matmul_backend)
     if emulate:
         llm = LLM(model, prefill_weights=None, decode_weights=prefill, **kw)
         r = llm.runner
@@ -82,7 +85,11 @@ def run(
     name: str = "weights",
     plots: bool = True,
     log=print,
+    baseline: str | None = None,
+    matmul_backend: str = "auto",
 ) -> dict:
+    """baseline: the configuration the ratios are taken against (default: float32 if run, else
+    the first one)."""
     from jaxserve.engine.sampling_params import SamplingParams
 
     t_start = time.perf_counter()
@@ -96,10 +103,11 @@ def run(
     for name_, pre, dec in parsed:
         log(f"[weights] loading {name_}: prefill {pre or 'as loaded'}, decode {dec or 'as loaded'}")
         llm, emulated = build(model, name_, pre, dec, dtype, kv_format, num_pages, page_size, max_level,
-                              prompt_len, per_req * page_size)
+                              prompt_len, per_req * page_size, matmul_backend)
         llms[name_] = llm
         info[name_] = {"prefill_weights": pre or f"as loaded ({dtype})",
                        "decode_weights": dec or f"as loaded ({dtype})",
+                       "matmul_paths": llm.runner.weight_paths(),
                        "int4_prefill_emulated": emulated, "weight_bytes": phase_bytes(llm)}
     vocab = next(iter(llms.values())).cfg.vocab_size
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
@@ -120,19 +128,23 @@ def run(
                 runs.append({"config": n, "concurrency": c, "rep": rep, **m.as_dict()})
                 log(f"[weights] c={c} rep={rep} {n}: prefill {m.prefill_tok_s:.1f} tok/s, "
                     f"decode {m.decode_tok_s:.1f} tok/s, compiles {m.compiles}")
-    summary = summarize(runs, names, levels)
+    baseline = baseline or ("float32" if "float32" in names else names[0])
+    if baseline not in names:
+        raise ValueError(f"baseline {baseline!r} is not one of the configurations {names}")
+    summary = summarize(runs, names, levels, baseline)
     meta["wall_s"] = time.perf_counter() - t_start
     result = {
         "experiment": "weights", "meta": meta,
         "settings": {"configs": list(configs), "levels": levels, "prompt_len": prompt_len, "max_tokens": max_tokens,
-                     "reps": reps, "kv_format": kv_format, "page_size": page_size, "dtype": dtype, "seed": seed},
+                     "reps": reps, "kv_format": kv_format, "page_size": page_size, "dtype": dtype, "seed": seed,
+                     "baseline": baseline},
         "configs": info, "runs": runs, "summary": summary,
     }
     result["files"] = write(result, Path(out_dir), name, plots)
     return result
 
 
-def summarize(runs, names, levels) -> dict:
+def summarize(runs, names, levels, baseline: str = "fp8") -> dict:
     table = []
     for n in names:
         row = {"config": n}
@@ -147,26 +159,26 @@ def summarize(runs, names, levels) -> dict:
             row[f"compiles_c{c}"] = sum(r["compiles"] for r in rows)
         table.append(row)
     # Paired by repeat: within one repeat the configurations ran back to back, so the ratio to
-    # fp8 in the same repeat cancels slow drifts of the machine's load.
+    # the baseline in the same repeat cancels slow drifts of the machine's load.
     paired = {}
-    if "fp8" in names:
+    if baseline in names:
         for n in names:
             for c in levels:
                 for key in ("decode_tok_s", "prefill_tok_s"):
                     ratios = []
                     for rep in sorted({r["rep"] for r in runs}):
                         a = [r[key] for r in runs if r["config"] == n and r["concurrency"] == c and r["rep"] == rep]
-                        b = [r[key] for r in runs if r["config"] == "fp8" and r["concurrency"] == c and r["rep"] == rep]
+                        b = [r[key] for r in runs if r["config"] == baseline and r["concurrency"] == c and r["rep"] == rep]
                         if a and b and b[0] > 0:
                             ratios.append(a[0] / b[0])
                     paired.setdefault(n, {})[f"{key.split('_')[0]}_c{c}"] = common.median_range(ratios)
-    base = next((t for t in table if t["config"] == "fp8"), None)
+    base = next((t for t in table if t["config"] == baseline), None)
     gains = {}
     if base is not None:
         for t in table:
             gains[t["config"]] = {k: t[k] / base[k] - 1 for k in t
                                   if k.split("_")[0] in ("decode", "decodemed", "prefill") and k.count("_") == 1}
-    return {"table": table, "gain_vs_fp8": gains, "paired_ratio_vs_fp8": paired}
+    return {"baseline": baseline, "table": table, "gain_vs_baseline": gains, "paired_ratio_vs_baseline": paired}
 
 
 def markdown(result: dict) -> str:
@@ -182,20 +194,21 @@ def markdown(result: dict) -> str:
         [[n, v["prefill_weights"] + (" (emulated)" if v["int4_prefill_emulated"] else ""), v["decode_weights"],
           f"{v['weight_bytes']['prefill'] / 1e6:.1f} MB", f"{v['weight_bytes']['decode'] / 1e6:.1f} MB"]
          for n, v in info.items()]))
-    g = summ.get("gain_vs_fp8", {})
+    base = summ.get("baseline", "fp8")
+    g = summ.get("gain_vs_baseline", summ.get("gain_vs_fp8", {}))
 
     def cell(t, k):
         txt = f"{t[k]:.1f} ({t[k + '_min']:.1f}-{t[k + '_max']:.1f})"
-        if t["config"] in g and t["config"] != "fp8" and k in g[t["config"]]:
+        if t["config"] in g and t["config"] != base and k in g[t["config"]]:
             txt += f" {g[t['config']][k]:+.0%}"
         return txt
 
-    lines.append("\nDecode tokens/s (median of repeats, min-max; % vs fp8):\n\n")
+    lines.append(f"\nDecode tokens/s (median of repeats, min-max; % vs {base}):\n\n")
     lines.append(common.md_table(["config"] + [f"c={c}" for c in lv],
                                  [[t["config"]] + [cell(t, f"decode_c{c}") for c in lv] for t in summ["table"]]))
-    pr = summ.get("paired_ratio_vs_fp8") or {}
+    pr = summ.get("paired_ratio_vs_baseline", summ.get("paired_ratio_vs_fp8")) or {}
     if pr:
-        lines.append("\nRatio to fp8 paired by repeat (median of the per-repeat ratios, min-max):\n\n")
+        lines.append(f"\nRatio to {base} paired by repeat (median of the per-repeat ratios, min-max):\n\n")
         cols = [f"decode_c{c}" for c in lv] + [f"prefill_c{c}" for c in lv]
         lines.append(common.md_table(
             ["config"] + [k.replace("_c", " c=") for k in cols],
@@ -203,7 +216,7 @@ def markdown(result: dict) -> str:
     lines.append("\nDecode tokens/s from the median decode step (robust to other load on a shared machine):\n\n")
     lines.append(common.md_table(["config"] + [f"c={c}" for c in lv],
                                  [[t["config"]] + [cell(t, f"decodemed_c{c}") for c in lv] for t in summ["table"]]))
-    lines.append("\nPrefill tokens/s (prompt tokens / prefill-only step time; c prompts in one step; % vs fp8):\n\n")
+    lines.append(f"\nPrefill tokens/s (prompt tokens / prefill-only step time; c prompts in one step; % vs {base}):\n\n")
     lines.append(common.md_table(["config"] + [f"c={c} ({c * st['prompt_len']} tokens)" for c in lv],
                                  [[t["config"]] + [cell(t, f"prefill_c{c}") for c in lv] for t in summ["table"]]))
     return "".join(lines)

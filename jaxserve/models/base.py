@@ -18,7 +18,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.layers import DenseMLP, MoE, RMSNorm, param, rope_cos_sin, rope_inv_freq
 from jaxserve.models.step import StepInput, last_token_index
-from jaxserve.quant.linear import linear
+from jaxserve.quant.linear import embedding, linear, tied_head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +84,7 @@ class CausalLM(nnx.Module):
 
         backend: attention implementation for decode steps ("xla" | "pallas" | "pallas_interpret").
         """
-        x = jnp.take(self.embed[...], step.tokens, axis=0)
+        x = embedding(step.tokens, self.embed).astype(self.dtype)
         inv_freq, scale = rope_inv_freq(self.cfg.rope, self.rope_dim)
         rope = rope_cos_sin(step.positions, inv_freq, scale)
         new_kv = []
@@ -95,7 +95,7 @@ class CausalLM(nnx.Module):
             x = x[jnp.arange(x.shape[0]), last_token_index(step.new_lens)]  # [B, D]
         x = self.norm(x)
         if self.lm_head is None:  # tied: the embedding table [V, D] read as the head
-            logits = jnp.dot(x, self.embed[...].T, preferred_element_type=jnp.float32)
+            logits = tied_head(x, self.embed)
         else:
             logits = linear(x, self.lm_head, out_dtype=jnp.float32)
         return logits, tuple(new_kv)

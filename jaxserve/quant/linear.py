@@ -133,6 +133,24 @@ def linear(x: jax.Array, w, contract: int = 1, out_dtype=None) -> jax.Array:
     return y.reshape(*lead, *out_shape).astype(out_dtype or x.dtype)
 
 
+def embedding(tokens: jax.Array, w) -> jax.Array:
+    """Rows of the table [V, D] for ``tokens`` [...] -> [..., D]. A tied table stored as the
+    head [D, V] in a phase format gathers only the tokens' columns and dequantizes those."""
+    w = _value(w)
+    if getattr(w, "qw", None) is None:
+        return jnp.take(w, tokens, axis=0)
+    cols = _paths.dequantize_columns(w.qw, tokens.reshape(-1), jnp.float32)  # [D, n]
+    return cols.T.reshape(*tokens.shape, w.qw.shape[0])
+
+
+def tied_head(x: jax.Array, w) -> jax.Array:
+    """Logits from a tied table: x [..., D] . table[V, D]^T -> f32 [..., V]."""
+    w = _value(w)
+    if getattr(w, "qw", None) is None:
+        return jnp.dot(x, w.T, preferred_element_type=jnp.float32)
+    return matmul(x, w.qw, out_dtype=jnp.float32)
+
+
 def expert_linear(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
     """Routed experts: x [M, K] sorted by expert, w [E, K, N] -> [M, N] in x's dtype."""
     qw, _, dense = _split(w)

@@ -55,6 +55,19 @@ def slice_columns(qw: QuantizedWeight, c0: int, c1: int) -> QuantizedWeight:
     return dataclasses.replace(qw, values=qw.values[..., c0:c1], scales=scales, shape=(*qw.shape[:-1], c1 - c0))
 
 
+def dequantize_columns(qw: QuantizedWeight, cols: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """Columns ``cols`` [n] (any order, repeats allowed) of a [K, N] weight -> [K, n] dense."""
+    bk, bn = qw.fmt.scale_block or (0, 1)
+    k = qw.shape[-2]
+    values = jnp.take(qw.values, cols, axis=-1)
+    if bn <= 1:  # a scale per column (or none): the gathered columns are a weight of their own
+        scales = None if qw.scales is None else jnp.take(qw.scales, cols, axis=-1)
+        return qw.fmt.dequantize(dataclasses.replace(qw, values=values, scales=scales, shape=(k, cols.shape[0])),
+                                 dtype)
+    s = jnp.repeat(jnp.take(qw.scales, cols // bn, axis=-1), bk, axis=-2)[:k]  # block scales
+    return (values.astype(jnp.float32) * s).astype(dtype)
+
+
 def dequantize_tile(qw: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     return qw.fmt.dequantize(qw, dtype)
 

@@ -34,19 +34,33 @@ _MATMUL = re.compile(
 _EXPERTS = re.compile(r"/mlp/w_(gate|up|down)$")
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["qw"], meta_fields=["shape"])
+TIED_EMBED = "embed"  # a tied model's embedding table [V, D] is also its LM head [D, V]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["qw"], meta_fields=["shape", "transposed"])
 @dataclasses.dataclass(frozen=True, eq=False)
 class PhaseWeight:
     qw: QuantizedWeight  # the weight as a matrix [..., K, N] in its phase format
     shape: tuple[int, ...]  # the parameter's own shape
+    # True for a tied embedding [V, D] stored as the head matrix [D, V] it multiplies as: the
+    # head reads it as a matmul weight, the lookup gathers columns (quant.linear.embedding).
+    transposed: bool = False
 
     def dense(self, dtype):
         """The whole weight as a dense array: for conversion and tests, never in a serving program."""
-        return self.qw.dequantize(dtype).reshape(self.shape)
+        w = self.qw.dequantize(dtype)
+        return (w.T if self.transposed else w).reshape(self.shape)
+
+
+def phase_weight(path: str, qw: QuantizedWeight, shape) -> "PhaseWeight":
+    """The PhaseWeight for parameter ``path`` stored as ``qw`` (its matrix_view)."""
+    return PhaseWeight(qw, tuple(shape), transposed=path == TIED_EMBED)
 
 
 def matrix_view(path: str, shape: tuple[int, ...], axes: tuple) -> tuple[tuple[int, ...], tuple]:
     """-> (matrix shape [..., K, N], its logical axes)."""
+    if path == TIED_EMBED:  # [V, D] -> the head [D, V]
+        return (shape[1], shape[0]), (axes[1], axes[0])
     if _EXPERTS.search(path) or len(shape) == 2:
         return tuple(shape), tuple(axes)
     if path.endswith("/attn/o"):  # [H, v, D]
@@ -54,8 +68,15 @@ def matrix_view(path: str, shape: tuple[int, ...], axes: tuple) -> tuple[tuple[i
     return (shape[0], math.prod(shape[1:])), (axes[0], axes[1])  # [in, H, x]
 
 
-def is_matmul_weight(path: str) -> bool:
-    return bool(_MATMUL.search(path))
+def is_matmul_weight(path: str, tied_head: bool = False) -> bool:
+    """A weight some matmul reads; with ``tied_head`` the embedding table is one (the head)."""
+    return bool(_MATMUL.search(path)) or (tied_head and path == TIED_EMBED)
+
+
+def has_tied_head(paths) -> bool:
+    """A state with an embedding table and no lm_head of its own ties the head to it."""
+    paths = set(paths)
+    return TIED_EMBED in paths and "lm_head" not in paths
 
 
 qw_shardings = shardings_for  # kept as the name the checkpoint code uses
@@ -94,33 +115,39 @@ class PhaseSet:
         return self.members[self.labels.index(label)]
 
 
-def _host_matrix(value, mshape) -> np.ndarray:
+def _host_matrix(path: str, value, mshape) -> np.ndarray:
     """A parameter value (array or PhaseWeight) as a float32 host matrix [..., K, N]."""
     if isinstance(value, PhaseWeight):
-        value = value.qw.dequantize(jnp.float32)
+        value = value.qw.dequantize(jnp.float32)  # already the matrix view
+    elif path == TIED_EMBED:
+        value = jnp.asarray(value).T
     return np.asarray(jax.device_get(value), np.float32).reshape(mshape)
 
 
-def phase_value(path: str, value, axes, fmt, mesh=None):
+def phase_value(path: str, value, axes, fmt, mesh=None, tied_head: bool = False):
     """One parameter's value in format `fmt` (a WeightFormat, or None: as it is).
 
     value: an array, or a PhaseWeight already holding a (pre-quantized checkpoint's) format.
     A PhaseWeight in the wanted format is returned as is; one in another format is
-    dequantized (float32, host) and requantized. Non-matmul parameters never change.
+    dequantized (float32, host) and requantized. Non-matmul parameters never change; with
+    ``tied_head`` the embedding table is quantized as the head matrix [D, V].
     """
-    if fmt is None or not is_matmul_weight(path):
+    if fmt is None or not is_matmul_weight(path, tied_head):
         return value
     if isinstance(value, PhaseWeight) and value.qw.format == fmt.name:
         return value
     shape = value.shape if isinstance(value, PhaseWeight) else tuple(value.shape)
     axes = axes or (None,) * len(shape)
     mshape, maxes = matrix_view(path, shape, axes)
-    qw = fmt.quantize(_host_matrix(value, mshape), name=path)
-    return PhaseWeight(place(qw, maxes, mesh, path), tuple(shape))
+    qw = fmt.quantize(_host_matrix(path, value, mshape), name=path)
+    return phase_weight(path, place(qw, maxes, mesh, path), shape)
 
 
 def quantize_state(state, spec: str | None, mesh=None):
     """Copy of `state` with every matmul weight stored in format `spec`.
+
+    A tied model's embedding table is stored as its head [D, V] in the phase format (the head
+    is the largest matrix of a small model: 21% of SmolLM2-135M's bytes).
 
     spec None means "as loaded": plain arrays stay, and a Variable that already holds a
     PhaseWeight (a pre-quantized checkpoint, loaded in its own format) is kept. A PhaseWeight
@@ -138,12 +165,13 @@ def quantize_state(state, spec: str | None, mesh=None):
     if fmt is None and not any(isinstance(v.get_value(), PhaseSet) for _, v in flat):
         return state  # as loaded: nothing to do
     out = []
+    tied = has_tied_head("/".join(str(k) for k in p) for p, _ in flat)
     for p, var in flat:
         path = "/".join(str(k) for k in p)
         value = var.get_value()
         if isinstance(value, PhaseSet):
             value = value.pick(label)
-        new = phase_value(path, value, var.get_metadata().get("logical_axes"), fmt, mesh)
+        new = phase_value(path, value, var.get_metadata().get("logical_axes"), fmt, mesh, tied)
         out.append((p, var if new is var.get_value() else var.replace(new)))
     return nnx.from_flat_state(out)
 

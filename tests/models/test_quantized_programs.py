@@ -26,6 +26,7 @@ FAMILIES = {
     "deepseek_v3": lambda p: build_deepseek_v3(p, num_hidden_layers=2, seed=3, **ALL_EXPERTS),
     "glm4_moe": lambda p: build_glm4_moe(p, num_hidden_layers=2, seed=3, **ALL_EXPERTS),
     "llama-untied": lambda p: build_llama(p, num_hidden_layers=2, seed=3, tie_word_embeddings=False),
+    "llama-tied": lambda p: build_llama(p, num_hidden_layers=2, seed=3, tie_word_embeddings=True),
 }
 # max |log-prob difference| allowed, per weight format (the path's rounding, measured x ~3)
 BOUNDS = {"bf16": 0.03, "int8": 0.12, "fp8_e4m3": 0.04, "int4:g32": 0.04}
