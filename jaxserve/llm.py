@@ -24,7 +24,10 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # decode (prefill attends to its own tokens unquantized and stores FP8 pages), FP8 block-scaled
 # weights for compute-bound prefill, INT4 group-32 weights (as Kimi K2 ships) for decode.
 PRESETS = {
+    # The article's deployment (GPU): FP8 KV, FP8 block-scaled prefill, INT4 group-32 decode.
     "article": dict(kv_format="fp8_e4m3", prefill_weights="fp8:block128", decode_weights="int4:g32"),
+    # What measures fastest on CPU (BENCHMARKS.md, issue 13): bf16 prefill dots, int8 W8A8 decode.
+    "cpu": dict(kv_format="bf16", prefill_weights="bf16", decode_weights="int8"),
 }
 
 
@@ -48,7 +51,7 @@ class LLM:
     kv_format: "bf16" (default) | "fp8_e4m3" (| "float32", the exact reference format).
     num_devices: shard over this many devices (tensor/expert parallel).
     num_pages / page_size: the KV page pool (page 0 is reserved as the null page).
-    preset: a named configuration from PRESETS ("article"); explicit arguments win.
+    preset: a named configuration from PRESETS ("article", "cpu"); explicit arguments win.
     Further keyword arguments are EngineConfig fields (prefill_weights, decode_weights,
     max_num_seqs, max_num_batched_tokens, prefill_chunk, enable_prefix_caching,
     integrity_check, max_model_len, ...).

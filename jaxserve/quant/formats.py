@@ -28,7 +28,7 @@ import numpy as np
 from .fp8 import Fp8BlockFormat, Fp8ChannelFormat
 from .int4 import Int4GroupFormat
 from .int8 import Int8ChannelFormat
-from .qweight import QuantizedWeight, WeightFormat, check_weight
+from .qweight import REGISTERED, QuantizedWeight, WeightFormat, check_weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +59,7 @@ _FORMATS: dict[str, WeightFormat] = {
         Int4GroupFormat(128),
     )
 }
+REGISTERED.update(_FORMATS)
 # Note: the capacity planner (jaxserve.planner) reads bare "fp8" as fp8:block128; here it is
 # fp8_e4m3 (per channel), as for KV formats. Spell the format out where it matters.
 ALIASES = {"bfloat16": "bf16", "fp8": "fp8_e4m3", "fp8:channel": "fp8_e4m3", "int8:channel": "int8",

@@ -40,9 +40,7 @@ class QuantizedWeight:
 
     @property
     def fmt(self) -> "WeightFormat":
-        from .formats import get_weight_format  # late import: formats imports this module
-
-        return get_weight_format(self.format)
+        return REGISTERED[self.format]  # filled by jaxserve.quant.formats (imported with the package)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return self.fmt.dequantize(self, dtype)
@@ -50,6 +48,11 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         return self.fmt.nbytes(self)
+
+
+# Canonical format name -> format: jaxserve.quant.formats registers every format here, so a
+# QuantizedWeight finds its format without this module importing the registry module.
+REGISTERED: dict[str, "WeightFormat"] = {}
 
 
 def _arr_nbytes(a) -> int:
