@@ -88,6 +88,7 @@ class ModelRunner:
         decode_weights: str | None = None,
         attention_backend: str = "xla",
         matmul_backend: str = "auto",
+        quantize_tied_head: bool = False,
     ):
         self.cfg = model.cfg
         self.fmt = fmt
@@ -115,7 +116,7 @@ class ModelRunner:
         self.weight_formats = {"prefill": prefill_weights, "decode": decode_weights}
         self.phase_params = {}
         for phase, spec in self.weight_formats.items():
-            leaves, treedef = jax.tree.flatten(quantize_state(state, spec, mesh))
+            leaves, treedef = jax.tree.flatten(quantize_state(state, spec, mesh, quantize_tied_head))
             self.phase_params[phase] = (leaves, treedef)
         self.params, self.treedef = self.phase_params["prefill"]
         kv = model.init_kv(num_pages, page_size, fmt)

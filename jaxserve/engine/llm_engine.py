@@ -51,6 +51,9 @@ class EngineConfig:
     # Quantized matmuls (jaxserve.quant.paths): "auto" (gpu on a GPU host, else cpu), "cpu",
     # "gpu", "interpret" (the GPU formulations with Pallas interpreted on CPU, for tests).
     matmul_backend: str = "auto"
+    # A tied model's embedding table stored as its head in each phase's format as well (fewer
+    # bytes per step, more error in the logits); off: the table stays as loaded.
+    quantize_tied_head: bool = False
 
     def __post_init__(self):
         if self.num_pages < 2:
@@ -98,7 +101,7 @@ class LLMEngine:
             model, fmt, config.num_pages, config.page_size, mesh, tracker, max_pages_per_seq=self.max_pages_per_seq,
             prefill_weights=config.prefill_weights, decode_weights=config.decode_weights,
             attention_backend=config.attention_backend or default_attention_backend(),
-            matmul_backend=config.matmul_backend,
+            matmul_backend=config.matmul_backend, quantize_tied_head=config.quantize_tied_head,
         )
         self.pool_tokens = pool_tokens
         # Prefill programs: rows in powers of two, tokens in token_buckets (compiled at warm-up).

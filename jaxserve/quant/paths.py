@@ -85,8 +85,12 @@ def _tiles(qw: QuantizedWeight, fn) -> jax.Array:
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-1)
 
 
-def pad_rows(x: jax.Array, rows: int = 2) -> jax.Array:
-    """XLA:CPU hands a dot to YNNPACK only with >= 2 rows: pad a single row."""
+MIN_ROWS = 2  # XLA:CPU hands a dot to YNNPACK only with >= 2 rows
+
+
+def pad_rows(x: jax.Array, rows: int | None = None) -> jax.Array:
+    """Pad a batch of fewer than ``rows`` (default MIN_ROWS) rows with zero rows."""
+    rows = rows or MIN_ROWS
     m = x.shape[0]
     return x if m >= rows else jnp.pad(x, ((0, rows - m), (0, 0)))
 

@@ -20,7 +20,9 @@ from jaxserve import LLM
 from quant_reference import dense_leaves
 
 PROMPT = [int(x) for x in np.random.RandomState(7).randint(2, 256, size=21)]
-KW = dict(kv_format="float32", num_pages=32, page_size=8, integrity_check=False, matmul_backend="cpu")
+# quantize_tied_head: the tied family's table is stored as its head in the format (the others have none)
+KW = dict(kv_format="float32", num_pages=32, page_size=8, integrity_check=False, matmul_backend="cpu",
+          quantize_tied_head=True)
 ALL_EXPERTS = dict(n_routed_experts=4, num_experts_per_tok=4, n_group=1, topk_group=1)
 FAMILIES = {
     "deepseek_v3": lambda p: build_deepseek_v3(p, num_hidden_layers=2, seed=3, **ALL_EXPERTS),
@@ -42,7 +44,7 @@ def ckpt(request, tmp_path_factory):
 
 def reference_for(ckpt, quantized, phase):
     """An LLM whose `phase` program reads the numpy-decoded dense copy of `quantized`'s weights."""
-    ref = LLM(ckpt, **KW)
+    ref = LLM(ckpt, **{**KW, "quantize_tied_head": False})
     dense = dense_leaves(*quantized.runner.phase_params[phase])
     ref.runner.phase_params[phase] = dense
     if phase == "prefill":
@@ -114,3 +116,15 @@ def test_eight_devices_equal_one(name, fmt, tmp_path):
     # int8 sums exactly in int32 whatever the split; the bf16-tile path's f32 partial sums
     # are added in another order per split (a quarter of its dense-reference bound above).
     assert err < {"int8": 1e-4, "int4:g32": BOUNDS["int4:g32"] / 4}[fmt]
+
+
+def test_tied_head_is_quantized_only_when_asked(tmp_path):
+    FAMILIES["llama-tied"](tmp_path)
+    path, sizes = str(tmp_path), {}
+    for flag in (False, True):
+        llm = LLM(path, decode_weights="int8", **{**KW, "quantize_tied_head": flag})
+        leaves = llm.runner.phase_params["decode"][0]
+        sizes[flag] = sum(x.nbytes for x in leaves)
+        table = 256 * 64  # vocab x hidden of the tiny llama
+        assert any(x.dtype == np.int8 and x.size == table for x in leaves) == flag
+    assert sizes[True] < sizes[False]
