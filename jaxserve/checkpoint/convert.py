@@ -73,7 +73,7 @@ def convert(src, dst, prefill_weights: str | None = None, decode_weights: str | 
     from jaxserve.kv.formats import get_kv_format
     from jaxserve.loader import _raw_config, load_model
     from jaxserve.quant.formats import get_weight_format
-    from jaxserve.quant.phase import PhaseSet, has_tied_head, phase_value
+    from jaxserve.quant.phase import PhaseSet, phase_value
 
     src, dst = Path(src), Path(dst)
     if not (src / "config.json").is_file():
@@ -97,7 +97,6 @@ def convert(src, dst, prefill_weights: str | None = None, decode_weights: str | 
     fmts = {ph: get_weight_format(lab) if lab is not None else None for ph, lab in labels.items()}
     values, shapes = {}, {}
     by_format: dict = {}
-    tied = has_tied_head("/".join(str(k) for k in p) for p, _ in flat)
     for p, var in tqdm(flat, desc="convert", unit="param", disable=not progress):
         path = "/".join(str(k) for k in p)
         v = var.get_value()
@@ -110,7 +109,7 @@ def convert(src, dst, prefill_weights: str | None = None, decode_weights: str | 
             if ph == "decode" and labels["decode"] == labels["prefill"]:
                 per[ph] = per["prefill"]  # same format: same value, stored once
             else:
-                per[ph] = phase_value(path, src_v, axes, fmts[ph], None, tied)
+                per[ph] = phase_value(path, src_v, axes, fmts[ph], None)  # a tied table stays as loaded
         entry = {"shared": per["prefill"]} if per["prefill"] is per["decode"] else per
         values[path] = entry
         shapes[path] = tuple(per["prefill"].shape)
