@@ -76,12 +76,15 @@ def add_format_args(p) -> None:
                         "(default: as loaded)")
     p.add_argument("--matmul-backend", default="auto", choices=["auto", "cpu", "gpu", "interpret"],
                    help="quantized matmul formulations (auto: gpu on a GPU host, else cpu)")
-    p.add_argument("--preset", default=None, help="a named configuration (article: fp8 KV, fp8 prefill, int4 decode)")
+    p.add_argument("--attention-backend", default=None, choices=["xla", "pallas", "pallas_interpret"],
+                   help="decode attention (default: pallas on a GPU, else xla)")
+    p.add_argument("--preset", default=None,
+                   help="a named configuration: article (fp8 KV, fp8 prefill, int4 decode) | cpu (bf16 prefill, int8 decode)")
 
 
 def format_kwargs(args) -> dict:
     kw = dict(prefill_weights=args.prefill_weights, decode_weights=args.decode_weights,
-              matmul_backend=args.matmul_backend)
+              matmul_backend=args.matmul_backend, attention_backend=args.attention_backend)
     if args.preset is not None:
         kw["preset"] = args.preset
     return kw

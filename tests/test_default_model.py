@@ -86,3 +86,15 @@ def test_cli_bad_input_exits_2(capsys):
 
     assert main(["generate", "--model", "checkpoints/tiny-kimi-k2", "hello"]) == 2
     assert "no tokenizer" in capsys.readouterr().err
+
+
+def test_cli_weight_formats_and_matmul_path(capsys):
+    from jaxserve.cli import main
+
+    args = ["generate", "--model", "checkpoints/tiny-kimi-k2", "--prompt-ids", "5,6,7,8", "--max-tokens", "3",
+            "--no-warmup", "--prefill-weights", "bf16", "--decode-weights", "int8", "--matmul-backend", "cpu"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "[prefill matmuls] bf16 -> cpu:bf16-dot" in err and "[decode matmuls] int8 -> cpu:w8a8" in err
+    assert main(["generate", "--model", "checkpoints/tiny-kimi-k2", "--prompt-ids", "5", "--decode-weights", "int3"]) == 2
+    assert "unknown weight format" in capsys.readouterr().err
