@@ -24,6 +24,7 @@ from flax import nnx
 from jaxserve.engine.page_tracker import NoOpTracker, PageTracker, pad_updates
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.step import StepInput
+from jaxserve.quant.formats import get_weight_format
 from jaxserve.quant.linear import describe, resolve_backend, use_backend
 from jaxserve.quant.phase import PhaseWeight, quantize_state
 from jaxserve.sharding import MODEL_AXIS, Mesh, NamedSharding, PartitionSpec, replicated
@@ -89,6 +90,7 @@ class ModelRunner:
         attention_backend: str = "xla",
         matmul_backend: str = "auto",
         quantize_tied_head: bool = False,
+        prefill_from_decode_weights: bool = False,
     ):
         self.cfg = model.cfg
         self.fmt = fmt
@@ -112,12 +114,19 @@ class ModelRunner:
         self.matmul_backend = resolve_backend(matmul_backend)
         if self.matmul_backend == "interpret" and mesh is not None:
             raise ValueError("the interpreted Pallas matmuls are single-device; use matmul_backend='cpu' with a mesh")
-        # Each phase's own weight representation (None: the loaded weights, shared).
+        # Each phase's own weight representation (None: the loaded weights). One copy whenever
+        # one suffices: both phases in one format, or prefill reading the decode copy (int4 prefill
+        # then runs on the int4 path, slower than fp8/bf16 but with half the resident weights).
+        if prefill_from_decode_weights:
+            if prefill_weights is not None:
+                raise ValueError("prefill_from_decode_weights reads the decode copy: leave prefill_weights unset")
+            prefill_weights = decode_weights
         self.weight_formats = {"prefill": prefill_weights, "decode": decode_weights}
-        self.phase_params = {}
-        for phase, spec in self.weight_formats.items():
-            leaves, treedef = jax.tree.flatten(quantize_state(state, spec, mesh, quantize_tied_head))
-            self.phase_params[phase] = (leaves, treedef)
+        canon = {p: s and get_weight_format(s).name for p, s in self.weight_formats.items()}
+        decode = jax.tree.flatten(quantize_state(state, decode_weights, mesh, quantize_tied_head))
+        same = canon["prefill"] == canon["decode"]
+        prefill = decode if same else jax.tree.flatten(quantize_state(state, prefill_weights, mesh, quantize_tied_head))
+        self.phase_params = {"prefill": prefill, "decode": decode}
         self.params, self.treedef = self.phase_params["prefill"]
         kv = model.init_kv(num_pages, page_size, fmt)
         if mesh is not None:
@@ -128,6 +137,13 @@ class ModelRunner:
         self.warm = False
         self.strict = False
         self.compiles_after_warmup = 0
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of each phase's weights, and of what is resident (an array both phases read counts once)."""
+        out = {p: int(sum(x.nbytes for x in leaves)) for p, (leaves, _) in self.phase_params.items()}
+        unique = {id(x): x.nbytes for leaves, _ in self.phase_params.values() for x in leaves}
+        out["resident"] = int(sum(unique.values()))
+        return out
 
     def weight_paths(self) -> dict[str, str]:
         """Per phase, the matmul paths its weights run on: 'int8 -> cpu:w8a8 (...)', one per

@@ -54,6 +54,9 @@ class EngineConfig:
     # A tied model's embedding table stored as its head in each phase's format as well (fewer
     # bytes per step, more error in the logits); off: the table stays as loaded.
     quantize_tied_head: bool = False
+    # One process, one weight copy: prefill reads the decode representation (e.g. int4) instead
+    # of a copy of its own (prefill_weights must then be unset).
+    prefill_from_decode_weights: bool = False
 
     def __post_init__(self):
         if self.num_pages < 2:
@@ -70,6 +73,8 @@ class EngineConfig:
         ):
             if spec is not None and get_weight_format(spec).name not in allowed:
                 raise ValueError(f"{phase}_weights={spec!r} is not a {phase} format; choose one of {allowed}")
+        if self.prefill_from_decode_weights and self.prefill_weights is not None:
+            raise ValueError("prefill_from_decode_weights reads the decode copy: leave prefill_weights unset")
         from jaxserve.quant.linear import resolve_backend
 
         resolve_backend(self.matmul_backend)  # a clear error for an unknown name
@@ -102,6 +107,7 @@ class LLMEngine:
             prefill_weights=config.prefill_weights, decode_weights=config.decode_weights,
             attention_backend=config.attention_backend or default_attention_backend(),
             matmul_backend=config.matmul_backend, quantize_tied_head=config.quantize_tied_head,
+            prefill_from_decode_weights=config.prefill_from_decode_weights,
         )
         self.pool_tokens = pool_tokens
         # Prefill programs: rows in powers of two, tokens in token_buckets (compiled at warm-up).

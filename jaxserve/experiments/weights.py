@@ -3,11 +3,10 @@ single-format weight configurations (bf16, fp8, int4) and the phase-aware one (p
 decode int4), interleaved in one process.
 
 A configuration is ``NAME=PREFILL/DECODE`` (weight format specs, or ``none`` for the weights
-as loaded). The engine refuses int4 for its prefill program (prefill is compute-bound; the
-article keeps FP8 there). To still measure what INT4 costs in prefill, as the article does,
-an ``int4`` prefill is emulated: the engine is built with int4 decode weights and its prefill
-program is handed the same int4 representation before it is first compiled (the programs are
-phase-agnostic; the phase only selects which weights they read). Such rows are marked.
+as loaded). The engine has no int4 prefill copy (prefill is compute-bound; the article keeps
+FP8 there). To still measure what INT4 costs in prefill, as the article does, an ``int4``
+prefill runs the engine's one-copy mode: the prefill program reads the int4 decode copy
+(``prefill_from_decode_weights``). Such rows are marked "emulated", as before.
 
 Per configuration and concurrency c: c random prompts of the same length, greedy, fixed
 output length, all submitted at once (one prefill step of c rows, then decode steps of c rows).
@@ -52,15 +51,10 @@ def build(model, name, prefill, decode, dtype, kv_format, num_pages, page_size, 
               max_num_seqs=max_level, max_prefill_seqs=max_level, max_num_batched_tokens=max_level * prompt_len,
               prefill_chunk=max(prompt_len, 16), max_model_len=max_len, enable_prefix_caching=False,
               matmul_backend=matmul_backend)
-    if emulate:
-        llm = LLM(model, prefill_weights=None, decode_weights=prefill, **kw)
-        r = llm.runner
-        # Before any program is compiled: the prefill program reads the int4 representation.
-        r.phase_params["prefill"] = r.phase_params["decode"]
-        r.params, r.treedef = r.phase_params["prefill"]
-        r.weight_formats = {"prefill": prefill, "decode": prefill}
+    if emulate:  # the prefill program reads the decode copy (the engine's one-copy mode)
         if decode != prefill:
-            raise ValueError(f"{name}: an emulated int4 prefill needs the same decode format, got {decode}")
+            raise ValueError(f"{name}: an int4 prefill reads the decode copy: the decode format must be {prefill}")
+        llm = LLM(model, decode_weights=decode, prefill_from_decode_weights=True, **kw)
     else:
         llm = LLM(model, prefill_weights=prefill, decode_weights=decode, **kw)
     return llm, emulate

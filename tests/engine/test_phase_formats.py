@@ -87,3 +87,24 @@ def test_quantized_state_is_smaller():
     _, model = load_model("checkpoints/tiny-kimi-k2")
     _, state = nnx.split(model)
     assert state_nbytes(quantize_state(state, "int4:g32")) < state_nbytes(state) / 3
+
+
+def test_one_copy_when_one_suffices(tiny_ckpt):
+    """One format for both phases, or prefill reading the decode copy: one resident copy."""
+    same = LLM(tiny_ckpt, prefill_weights="int8", decode_weights="int8", **KW)
+    b = same.runner.weight_bytes()
+    assert b["resident"] == b["prefill"] == b["decode"]
+    assert all(x is y for x, y in zip(same.runner.phase_params["prefill"][0], same.runner.phase_params["decode"][0]))
+    two = LLM(tiny_ckpt, prefill_weights="fp8:block128", decode_weights="int4:g32", **KW)
+    b2 = two.runner.weight_bytes()
+    assert b2["prefill"] + b2["decode"] > b2["resident"] > max(b2["prefill"], b2["decode"])  # norms shared
+    one = LLM(tiny_ckpt, decode_weights="int4:g32", prefill_from_decode_weights=True, **KW)
+    b1 = one.runner.weight_bytes()
+    assert b1["resident"] == b1["decode"] < b2["resident"]
+    assert one.runner.weight_paths()["prefill"].startswith("int4:g32 -> ")
+    # The prefill program computes in int4: its logprobs are not the unquantized model's.
+    plain = LLM(tiny_ckpt, **KW)
+    assert np.abs(one.logprobs(PROMPT) - plain.logprobs(PROMPT)).max() > 1e-3
+    assert len(one.generate([PROMPT], SamplingParams(max_tokens=4, ignore_eos=True))[0]) == 4
+    with pytest.raises(ValueError, match="prefill_from_decode_weights"):
+        EngineConfig(prefill_weights="bf16", decode_weights="int4:g32", prefill_from_decode_weights=True)
