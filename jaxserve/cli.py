@@ -76,6 +76,10 @@ def add_format_args(p) -> None:
                         "(default: as loaded)")
     p.add_argument("--matmul-backend", default="auto", choices=["auto", "cpu", "gpu", "interpret"],
                    help="quantized matmul formulations (auto: gpu on a GPU host, else cpu)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool size in bytes (48GiB, 512MiB, ...): decides the page count for the KV format")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="KV pool = this fraction of the memory free after loading (GPU: device; CPU: available RAM)")
     p.add_argument("--attention-backend", default=None, choices=["xla", "pallas", "pallas_interpret"],
                    help="decode attention (default: pallas on a GPU, else xla)")
     p.add_argument("--preset", default=None,
@@ -84,7 +88,8 @@ def add_format_args(p) -> None:
 
 def format_kwargs(args) -> dict:
     kw = dict(prefill_weights=args.prefill_weights, decode_weights=args.decode_weights,
-              matmul_backend=args.matmul_backend, attention_backend=args.attention_backend)
+              matmul_backend=args.matmul_backend, attention_backend=args.attention_backend,
+              kv_cache_memory=args.kv_cache_memory, memory_fraction=args.memory_fraction)
     if args.preset is not None:
         kw["preset"] = args.preset
     return kw
@@ -104,6 +109,9 @@ def run_generate(args) -> int:
     )
     for phase, path in llm.runner.weight_paths().items():
         print(f"[{phase} matmuls] {path}", file=sys.stderr)
+    mem = llm.memory_report()
+    print(f"[memory] weights {mem['weight_bytes']['resident']:,} B resident; KV {mem['kv_bytes']:,} B "
+          f"({mem['kv_pages']} pages, {mem['max_cached_tokens']:,} tokens, {mem['kv_format']})", file=sys.stderr)
     use_template = args.chat_template and llm.tokenizer is not None and llm.tokenizer.chat_template
     texts = [llm.apply_chat_template(p) if use_template else p for p in args.prompts]
     prompts = texts + args.prompt_ids

@@ -53,6 +53,7 @@ class LLM:
     num_pages / page_size: the KV page pool (page 0 is reserved as the null page).
     preset: a named configuration from PRESETS ("article", "cpu"); explicit arguments win.
     Further keyword arguments are EngineConfig fields (prefill_weights, decode_weights,
+    kv_cache_memory ("48GiB": the KV page count from a byte budget), memory_fraction,
     max_num_seqs, max_num_batched_tokens, prefill_chunk, enable_prefix_caching,
     integrity_check, max_model_len, ...).
     """
@@ -94,15 +95,20 @@ class LLM:
         self.mesh = make_mesh(num_devices) if num_devices > 1 else None
         self.cfg, model_obj = load_model(model, _DTYPES[dtype], self.mesh)
         self.tokenizer = None
-        if (Path(model) / "tokenizer.json").exists():
+        if any((Path(model) / f).exists() for f in ("tokenizer.json", "tiktoken.model")):
             from jaxserve.tokenizer import Tokenizer
 
             self.tokenizer = Tokenizer.from_dir(model)
         self.engine = LLMEngine(model_obj, config, self.fmt, self.tokenizer, self.mesh)
         self.runner = self.engine.runner
         self.page_size = page_size
-        self.num_pages = num_pages
+        self.num_pages = self.engine.config.num_pages  # a KV byte budget may have decided it
         self.stats = GenerateStats()
+
+    def memory_report(self) -> dict:
+        """weight_bytes (per phase, resident), kv_bytes, kv_pages, max_cached_tokens, ...
+        (``LLMEngine.memory_report``)."""
+        return self.engine.memory_report()
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -111,7 +117,8 @@ class LLM:
     def _to_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{self.model_path} has no tokenizer.json: pass prompts as token id lists")
+                raise ValueError(f"{self.model_path} has no tokenizer (tokenizer.json / tiktoken.model): "
+                                 "pass prompts as token id lists")
             return self.tokenizer.encode(prompt)
         return [int(x) for x in prompt]
 

@@ -14,9 +14,11 @@ import itertools
 import time
 from typing import Iterable
 
+import jax
 import numpy as np
 
 from jaxserve.engine.block_manager import BlockManager
+from jaxserve.kv import memory as kv_memory
 from jaxserve.engine.outputs import Completion, RequestOutput, Timing, Usage
 from jaxserve.engine.page_tracker import NoOpTracker, PageTracker, TrackerStats, integrity_errors
 from jaxserve.engine.sampler import sample_rows
@@ -57,6 +59,10 @@ class EngineConfig:
     # One process, one weight copy: prefill reads the decode representation (e.g. int4) instead
     # of a copy of its own (prefill_weights must then be unset).
     prefill_from_decode_weights: bool = False
+    # KV pool from a byte budget instead of num_pages: bytes ("48GiB" or an int), or a fraction
+    # of the memory free after loading (GPU: device limit minus use; CPU: available RAM).
+    kv_cache_memory: int | str | None = None
+    memory_fraction: float | None = None
 
     def __post_init__(self):
         if self.num_pages < 2:
@@ -73,6 +79,10 @@ class EngineConfig:
         ):
             if spec is not None and get_weight_format(spec).name not in allowed:
                 raise ValueError(f"{phase}_weights={spec!r} is not a {phase} format; choose one of {allowed}")
+        if self.kv_cache_memory is not None:
+            kv_memory.parse_size(self.kv_cache_memory)  # a clear error for a bad size
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.prefill_from_decode_weights and self.prefill_weights is not None:
             raise ValueError("prefill_from_decode_weights reads the decode copy: leave prefill_weights unset")
         from jaxserve.quant.linear import resolve_backend
@@ -93,6 +103,11 @@ class LLMEngine:
     KEEP_FINISHED = 1024  # finished requests kept in `seqs` for inspection
 
     def __init__(self, model, config: EngineConfig, fmt, tokenizer=None, mesh=None):
+        page_bytes = kv_memory.format_token_bytes(fmt, *kv_memory.model_token_layout(model, fmt)) * config.page_size
+        budget = kv_memory.kv_budget(config.kv_cache_memory, config.memory_fraction, 0)
+        if budget is not None:  # the byte budget decides the page count
+            config = dataclasses.replace(config, num_pages=kv_memory.pages_for_budget(budget, page_bytes))
+        self.kv_page_bytes = page_bytes
         self.config = config
         self.cfg = model.cfg
         self.tokenizer = tokenizer
@@ -120,6 +135,21 @@ class LLMEngine:
         self._finished_order: collections.deque[str] = collections.deque()
         eos = set(self.cfg.eos_token_id) | set(tokenizer.eos_token_ids if tokenizer is not None else [])
         self.eos_token_ids = frozenset(eos)
+
+    def memory_report(self) -> dict:
+        """What the engine holds: weight bytes per phase (and resident: shared arrays once), the
+        KV pool's bytes and pages (the null page included in the bytes, not in kv_pages), and
+        the tokens those pages cache."""
+        usable = self.config.num_pages - 1
+        return {
+            "weight_bytes": self.runner.weight_bytes(),
+            "kv_format": self.runner.fmt.name,
+            "kv_bytes": int(sum(x.nbytes for x in jax.tree.leaves(self.runner.kv))),
+            "kv_bytes_per_page": self.kv_page_bytes,
+            "kv_bytes_per_token": self.kv_page_bytes // self.config.page_size,
+            "kv_pages": usable,
+            "max_cached_tokens": usable * self.config.page_size,
+        }
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids, params: SamplingParams, request_id: str | None = None) -> str:

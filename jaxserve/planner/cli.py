@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 
 from .plan import (DEFAULT_KV_SCALE_BYTES, DEFAULT_RESERVE_BYTES, DEFAULT_USABLE_FRACTION, GB, GROUP_LABELS,
                    GROUPS, PlanResult, plan)
 from .presets import ARTICLE, DEVICE_PRESETS, MODEL_PRESETS, load_model_config
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 # --compare weights: (column title, format overrides): int4 on the routed experts, the rest
 # (attention, dense/shared MLP) fp8 or bf16. Embeddings stay bf16 in every column.
@@ -27,11 +24,13 @@ WEIGHT_VARIANTS = (("fp8", dict(weights="fp8")),
 
 
 def parse_size(s: str) -> int:
-    """'11GB' -> 11e9, '10GiB' -> 10 * 2**30, '123' -> 123 bytes."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(s))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"bad size {s!r} (e.g. 11GB, 10GiB, 512MiB, 0)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """'11GB' -> 11e9, '10GiB' -> 10 * 2**30, '123' -> 123 bytes (jaxserve.kv.memory.parse_size)."""
+    from jaxserve.kv.memory import parse_size as parse
+
+    try:
+        return parse(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

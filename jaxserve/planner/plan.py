@@ -97,8 +97,10 @@ def parse_kv_format(spec: str) -> str:
 
 def kv_bytes(values: int, vectors: int, kv_format: str, scale_bytes: int) -> int:
     """Bytes for ``values`` cached values; 1-byte formats add ``scale_bytes`` per vector."""
+    from jaxserve.kv.memory import kv_token_bytes  # the engine's function: a plan equals an allocation
+
     b = KV_FORMATS[kv_format]
-    return values * b + (vectors * scale_bytes if b == 1 else 0)
+    return kv_token_bytes(b, b == 1, values, vectors, scale_bytes)
 
 
 def shipped_formats(config: dict) -> dict[str, WeightFormat]:

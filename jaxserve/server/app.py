@@ -81,6 +81,11 @@ class Server:
         log.info("listening on %s:%d (metrics %s); warming up", self.host, self.port, self.metrics_port)
         for phase in ("prefill", "decode"):
             log.info("%s matmuls: %s", phase, getattr(self.info, phase).matmul_path)
+        m = self.info.memory
+        log.info("memory: weights %s B prefill, %s B decode, %s B resident; KV %s B = %d pages x %d tokens "
+                 "(%d B/token, %s tokens)", f"{m.weight_bytes_prefill:,}", f"{m.weight_bytes_decode:,}",
+                 f"{m.weight_bytes_resident:,}", f"{m.kv_bytes:,}", m.kv_pages, self.info.page_size,
+                 m.kv_bytes_per_token, f"{m.max_cached_tokens:,}")
         self.engine_loop.start()
 
     @property

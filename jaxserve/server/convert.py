@@ -157,4 +157,14 @@ def model_info(llm, max_waiting: int, replica_id: str) -> pb.ModelInfo:
         max_waiting=max_waiting,
         integrity_check=eng.config.integrity_check,
         replica_id=replica_id,
+        memory=memory_report(llm.memory_report()),
+    )
+
+
+def memory_report(rep: dict) -> pb.MemoryReport:
+    w = rep["weight_bytes"]
+    return pb.MemoryReport(
+        weight_bytes_prefill=w["prefill"], weight_bytes_decode=w["decode"], weight_bytes_resident=w["resident"],
+        kv_bytes=rep["kv_bytes"], kv_pages=rep["kv_pages"], kv_bytes_per_token=rep["kv_bytes_per_token"],
+        max_cached_tokens=rep["max_cached_tokens"],
     )

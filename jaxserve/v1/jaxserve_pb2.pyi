@@ -205,7 +205,7 @@ class KvPages(_message.Message):
     def __init__(self, total: _Optional[int] = ..., used: _Optional[int] = ..., free: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("architecture", "model", "dtype", "prefill", "decode", "page_size", "num_pages", "max_context", "vocab_size", "fingerprint", "has_tokenizer", "eos_token_ids", "max_num_seqs", "max_waiting", "integrity_check", "kv_pages", "replica_id")
+    __slots__ = ("architecture", "model", "dtype", "prefill", "decode", "page_size", "num_pages", "max_context", "vocab_size", "fingerprint", "has_tokenizer", "eos_token_ids", "max_num_seqs", "max_waiting", "integrity_check", "kv_pages", "replica_id", "memory")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +223,7 @@ class ModelInfo(_message.Message):
     INTEGRITY_CHECK_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     model: str
     dtype: str
@@ -240,7 +241,26 @@ class ModelInfo(_message.Message):
     integrity_check: bool
     kv_pages: KvPages
     replica_id: str
-    def __init__(self, architecture: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., prefill: _Optional[_Union[PhaseFormats, _Mapping]] = ..., decode: _Optional[_Union[PhaseFormats, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., fingerprint: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_num_seqs: _Optional[int] = ..., max_waiting: _Optional[int] = ..., integrity_check: _Optional[bool] = ..., kv_pages: _Optional[_Union[KvPages, _Mapping]] = ..., replica_id: _Optional[str] = ...) -> None: ...
+    memory: MemoryReport
+    def __init__(self, architecture: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., prefill: _Optional[_Union[PhaseFormats, _Mapping]] = ..., decode: _Optional[_Union[PhaseFormats, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., fingerprint: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_num_seqs: _Optional[int] = ..., max_waiting: _Optional[int] = ..., integrity_check: _Optional[bool] = ..., kv_pages: _Optional[_Union[KvPages, _Mapping]] = ..., replica_id: _Optional[str] = ..., memory: _Optional[_Union[MemoryReport, _Mapping]] = ...) -> None: ...
+
+class MemoryReport(_message.Message):
+    __slots__ = ("weight_bytes_prefill", "weight_bytes_decode", "weight_bytes_resident", "kv_bytes", "kv_pages", "kv_bytes_per_token", "max_cached_tokens")
+    WEIGHT_BYTES_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_DECODE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    weight_bytes_prefill: int
+    weight_bytes_decode: int
+    weight_bytes_resident: int
+    kv_bytes: int
+    kv_pages: int
+    kv_bytes_per_token: int
+    max_cached_tokens: int
+    def __init__(self, weight_bytes_prefill: _Optional[int] = ..., weight_bytes_decode: _Optional[int] = ..., weight_bytes_resident: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_pages: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., max_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids",)

@@ -112,6 +112,9 @@ def test_model_info_reports_formats_pool_and_fingerprint(served, llm):
     assert (info.prefill.kv_cache, info.decode.kv_cache) == ("float32", "float32")
     assert info.decode.matmul_path == llm.runner.weight_paths()["decode"]
     assert info.decode.matmul_path.startswith("as loaded -> xla:dot (")
+    rep = llm.memory_report()
+    assert info.memory.kv_pages == rep["kv_pages"] == 63 and info.memory.max_cached_tokens == 63 * 8
+    assert info.memory.kv_bytes == rep["kv_bytes"] > 0 and info.memory.weight_bytes_resident == rep["weight_bytes"]["resident"]
     assert (info.page_size, info.num_pages, info.max_context) == (8, 64, 256)
     assert info.vocab_size == 49152 and info.has_tokenizer and list(info.eos_token_ids) == [2]
     assert info.kv_pages.total == 63 and info.kv_pages.used == 0
