@@ -17,6 +17,7 @@ import json
 import re
 import shutil
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -187,6 +188,8 @@ def test_int4_repacks_exactly(int4):
     ref = load_file(int4[1] / "model.safetensors")
     want = np.stack([ref[f"model.layers.1.mlp.experts.{e}.up_proj.weight"].numpy().T for e in range(16)])
     assert np.array_equal(np.asarray(w.dense(np.float32)), want)  # exact: no requantization
+    assert w.qw.scales.dtype == ml_dtypes.bfloat16  # kept as shipped: 0.5 + 2/32 B/param, not 0.625
+    assert w.qw.nbytes == w.qw.values.size + 2 * w.qw.scales.size
     for key in ("layers/1/attn/q_b", "layers/1/mlp/shared/up", "layers/0/mlp/gate", "lm_head"):
         assert not isinstance(vals[key], PhaseWeight), key  # Kimi's ignore list keeps these
     _, plain = load_model(int4[1])
