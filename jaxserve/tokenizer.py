@@ -1,6 +1,7 @@
 """Text <-> token ids for a Hugging Face-format model directory.
 
-`Tokenizer` wraps the Rust `tokenizers` library (``tokenizer.json``) and adds what lives
+`Tokenizer` wraps the Rust `tokenizers` library (``tokenizer.json``; or tiktoken, for
+Kimi's ``tiktoken.model``: `jaxserve.tiktoken_tokenizer`) and adds what lives
 beside it in a checkpoint: special tokens and BOS policy from ``tokenizer_config.json``,
 stop ids from ``generation_config.json``, and the Jinja chat template (from
 ``chat_template.jinja`` or ``tokenizer_config.json``), rendered the way transformers does.
@@ -97,11 +98,12 @@ def compile_chat_template(source: str) -> jinja2.Template:
 
 
 class Tokenizer:
-    """A `tokenizers.Tokenizer` plus the checkpoint's special-token and chat-template settings."""
+    """A `tokenizers.Tokenizer` (or a `TiktokenBackend`, which offers the same methods) plus
+    the checkpoint's special-token and chat-template settings."""
 
     def __init__(
         self,
-        backend: tokenizers.Tokenizer,
+        backend: Any,  # tokenizers.Tokenizer | jaxserve.tiktoken_tokenizer.TiktokenBackend
         *,
         chat_template: str | None = None,
         bos_token: str | None = None,
@@ -132,14 +134,23 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> "Tokenizer":
-        """Load ``tokenizer.json`` and, when present, ``tokenizer_config.json``,
+        """Load ``tokenizer.json`` (else Kimi's ``tiktoken.model``, see
+        `jaxserve.tiktoken_tokenizer`) and, when present, ``tokenizer_config.json``,
         ``chat_template.jinja`` and ``generation_config.json`` from a model directory."""
         path = Path(path)
-        tok_file = path / "tokenizer.json"
-        if not tok_file.is_file():
-            raise TokenizerError(f"no tokenizer.json in {path}")
-        backend = tokenizers.Tokenizer.from_file(str(tok_file))
+        tok_file, tiktoken_file = path / "tokenizer.json", path / "tiktoken.model"
         config = _read_json(path / "tokenizer_config.json")
+        if tok_file.is_file():
+            backend = tokenizers.Tokenizer.from_file(str(tok_file))
+        elif tiktoken_file.is_file():  # Kimi K2.x: tiktoken ranks, specials from the config
+            from jaxserve.tiktoken_tokenizer import TiktokenBackend
+
+            try:
+                backend = TiktokenBackend.from_files(tiktoken_file, config)
+            except ValueError as e:
+                raise TokenizerError(f"{tiktoken_file}: {e}") from e
+        else:
+            raise TokenizerError(f"no tokenizer.json (or tiktoken.model) in {path}")
         template = _pick_chat_template(config.get("chat_template"))
         jinja_file = path / "chat_template.jinja"
         if jinja_file.is_file():  # newer transformers save the template here; it wins

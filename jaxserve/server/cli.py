@@ -26,7 +26,8 @@ def register_serve(sub) -> None:
     p.add_argument("--replica-id", default=None, help="this replica's name in ModelInfo/metrics (default host:port)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM/SIGINT")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="activations and loaded weights (auto: bfloat16 on a GPU, float32 elsewhere)")
     p.add_argument("--kv-format", default="bf16", help="bf16 | fp8_e4m3 | float32")
     p.add_argument("--num-devices", type=int, default=1)
     p.add_argument("--num-pages", type=int, default=256)
