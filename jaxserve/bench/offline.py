@@ -25,6 +25,7 @@ import time
 
 from jaxserve.bench.measure import CompileWatch, fmt, format_table, machine_info, summary, write_json
 from jaxserve.bench.workload import BenchRequest, make_workload, warmup_workload
+from jaxserve.cli_args import add_format_args, format_kwargs
 
 
 @dataclasses.dataclass
@@ -213,6 +214,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "number of pages (every step's page-table width follows it); 0 = the engine's "
                         "default (the model's whole context)")
     g.add_argument("--no-prefix-caching", action="store_true")
+    add_format_args(g)
     g.add_argument("--no-integrity-check", action="store_true")
     g = p.add_argument_group("workload")
     g.add_argument("--num-requests", type=int, default=128)
@@ -258,6 +260,7 @@ def engine_kwargs(args) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_seqs=args.max_prefill_seqs,
         prefill_chunk=args.prefill_chunk, max_model_len=max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, integrity_check=not args.no_integrity_check,
+        **format_kwargs(args),
     )
 
 

@@ -66,10 +66,13 @@ def run(
             raise ValueError(f"a KV budget of {kv_budget} B buys {num_pages} {fmt} pages of {bpp} B; "
                              f"one request needs {per_req} pages plus the null page")
         log(f"[capacity] {fmt}: {bpp} B/page -> {num_pages} pages in {kv_budget} B; loading")
-        llm = LLM(model, dtype=dtype, kv_format=fmt, num_pages=num_pages, page_size=page_size,
+        # The engine sizes its own pool from the byte budget (kv_cache_memory), as a server does.
+        llm = LLM(model, dtype=dtype, kv_format=fmt, kv_cache_memory=kv_budget, page_size=page_size,
                   max_num_seqs=max_level, max_prefill_seqs=max_level,
                   max_num_batched_tokens=max_level * prompt_len, prefill_chunk=max(prompt_len, 16),
                   max_model_len=max_len, enable_prefix_caching=False)
+        if llm.num_pages != num_pages:
+            raise AssertionError(f"{fmt}: the engine made {llm.num_pages} pages of the budget, expected {num_pages}")
         held = common.runner_kv_bytes(llm)
         if held != num_pages * bpp or held > kv_budget:
             raise AssertionError(f"{fmt}: runner holds {held} B of KV, expected {num_pages} x {bpp} <= {kv_budget}")

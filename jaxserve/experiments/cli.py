@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c = sub.add_parser("capacity", help="decode tok/s vs concurrency under a fixed KV byte budget (bf16 vs fp8 KV)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _common(c, "capacity")
-    c.add_argument("--kv-budget", type=parse_size, default=parse_size("6.5MB"), help="KV memory budget in bytes")
+    c.add_argument("--kv-cache-memory", "--kv-budget", dest="kv_budget", type=parse_size, default=parse_size("6.5MB"),
+                   help="KV memory budget in bytes (48GiB-style sizes): each format's engine gets the pages it buys")
     c.add_argument("--kv-formats", type=_list, default=["bf16", "fp8_e4m3"])
     c.add_argument("--levels", type=_ints, default=None,
                    help="concurrency levels (default: 1, 2, 4, ... until every format runs out of KV)")

@@ -152,12 +152,12 @@ def model_label(model: str | None) -> str:
 # ---------------------------------------------------------------- KV bytes
 def kv_bytes_per_page(model_path: str, kv_format: str, page_size: int, dtype: str = "float32") -> int:
     """Bytes of one KV page over all layers (values + fp8 scales), from the shapes of the pools
-    the model allocates (jax.eval_shape: nothing is loaded or allocated)."""
-    import jax
+    the model allocates (nothing is loaded or allocated), by the engine's own function."""
     import jax.numpy as jnp
     from flax import nnx
 
     from jaxserve.kv.formats import get_kv_format
+    from jaxserve.kv.memory import format_token_bytes, model_token_layout
     from jaxserve.loader import load_config
     from jaxserve.models import get_architecture
 
@@ -166,9 +166,7 @@ def kv_bytes_per_page(model_path: str, kv_format: str, page_size: int, dtype: st
     dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
     abstract = nnx.eval_shape(lambda: arch.build(cfg, dt, nnx.Rngs(0)))
     fmt = get_kv_format(kv_format)
-    pools = jax.eval_shape(lambda: abstract.init_kv(2, page_size, fmt))
-    total = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(pools))
-    return total // 2
+    return format_token_bytes(fmt, *model_token_layout(abstract, fmt)) * page_size
 
 
 def runner_kv_bytes(llm) -> int:

@@ -40,7 +40,7 @@ def register_serve(sub) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-integrity-check", action="store_true")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    from jaxserve.cli import add_format_args
+    from jaxserve.cli_args import add_format_args
 
     add_format_args(p)
     p.set_defaults(func=run_serve)
@@ -48,7 +48,8 @@ def register_serve(sub) -> None:
 
 def run_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from jaxserve.cli import _enable_compile_cache, _ensure_cpu_devices, format_kwargs
+    from jaxserve.cli import _enable_compile_cache, _ensure_cpu_devices
+    from jaxserve.cli_args import format_kwargs
 
     _ensure_cpu_devices(args.num_devices)
     _enable_compile_cache()

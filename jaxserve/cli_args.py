@@ -1,0 +1,31 @@
+"""Command-line options shared by generate, serve and bench: per-phase weight formats, the matmul
+and attention backends, presets and the KV memory budget (EngineConfig fields; see README)."""
+from __future__ import annotations
+
+
+def add_format_args(p) -> None:
+    """Per-phase weight formats, matmul and attention backends, KV budget, preset (generate, serve, bench)."""
+    p.add_argument("--prefill-weights", default=None,
+                   help="prefill weight format: bf16 | int8 | fp8_e4m3 | fp8:block128 (default: as loaded)")
+    p.add_argument("--decode-weights", default=None,
+                   help="decode weight format: bf16 | int8 | fp8_e4m3 | fp8:block128 | int4:g32|g64|g128 "
+                        "(default: as loaded)")
+    p.add_argument("--matmul-backend", default="auto", choices=["auto", "cpu", "gpu", "interpret"],
+                   help="quantized matmul formulations (auto: gpu on a GPU host, else cpu)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool size in bytes (48GiB, 512MiB, ...): decides the page count for the KV format")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="KV pool = this fraction of the memory free after loading (GPU: device; CPU: available RAM)")
+    p.add_argument("--attention-backend", default=None, choices=["xla", "pallas", "pallas_interpret"],
+                   help="decode attention (default: pallas on a GPU, else xla)")
+    p.add_argument("--preset", default=None,
+                   help="a named configuration: article (fp8 KV, fp8 prefill, int4 decode) | cpu (bf16 prefill, int8 decode)")
+
+
+def format_kwargs(args) -> dict:
+    kw = dict(prefill_weights=args.prefill_weights, decode_weights=args.decode_weights,
+              matmul_backend=args.matmul_backend, attention_backend=args.attention_backend,
+              kv_cache_memory=args.kv_cache_memory, memory_fraction=args.memory_fraction)
+    if args.preset is not None:
+        kw["preset"] = args.preset
+    return kw
