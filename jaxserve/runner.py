@@ -24,9 +24,8 @@ from flax import nnx
 from jaxserve.engine.page_tracker import NoOpTracker, PageTracker, pad_updates
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.step import StepInput
-from jaxserve.quant.formats import get_weight_format
 from jaxserve.quant.linear import describe, resolve_backend, use_backend
-from jaxserve.quant.phase import PhaseWeight, quantize_state
+from jaxserve.quant.phase import PhaseWeight, phase_states
 from jaxserve.sharding import MODEL_AXIS, Mesh, NamedSharding, PartitionSpec, replicated
 
 
@@ -101,32 +100,24 @@ class ModelRunner:
         self.max_pages_per_seq = bucket(max_pages_per_seq or num_pages - 1)
         self.graphdef, state = nnx.split(model)
         self.dtype = model.dtype
-        from jaxserve.models.attention import BACKENDS
+        from jaxserve.models.attention_pallas import BACKENDS, on_mesh
 
         if attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
         if attention_backend != "xla" and mesh is not None:
-            raise ValueError(
-                "the Pallas attention backend is single-device for now (it needs a shard_map wrapper); "
-                "use attention_backend='xla' with num_devices > 1"
-            )
+            # The Pallas decode kernels run per device (shard_map over the query heads): the
+            # backend name carries the mesh down to the attention layers.
+            attention_backend = on_mesh(attention_backend, mesh)
         self.attention_backend = attention_backend
         self.matmul_backend = resolve_backend(matmul_backend)
         if self.matmul_backend == "interpret" and mesh is not None:
             raise ValueError("the interpreted Pallas matmuls are single-device; use matmul_backend='cpu' with a mesh")
-        # Each phase's own weight representation (None: the loaded weights). One copy whenever
-        # one suffices: both phases in one format, or prefill reading the decode copy (int4 prefill
-        # then runs on the int4 path, slower than fp8/bf16 but with half the resident weights).
-        if prefill_from_decode_weights:
-            if prefill_weights is not None:
-                raise ValueError("prefill_from_decode_weights reads the decode copy: leave prefill_weights unset")
-            prefill_weights = decode_weights
-        self.weight_formats = {"prefill": prefill_weights, "decode": decode_weights}
-        canon = {p: s and get_weight_format(s).name for p, s in self.weight_formats.items()}
-        decode = jax.tree.flatten(quantize_state(state, decode_weights, mesh, quantize_tied_head))
-        same = canon["prefill"] == canon["decode"]
-        prefill = decode if same else jax.tree.flatten(quantize_state(state, prefill_weights, mesh, quantize_tied_head))
-        self.phase_params = {"prefill": prefill, "decode": decode}
+        # Each phase's own weight representation (None: the loaded weights), one copy where one suffices.
+        self.weight_formats, states = phase_states(state, prefill_weights, decode_weights, mesh, quantize_tied_head,
+                                                   prefill_from_decode_weights)
+        self.phase_params = {p: jax.tree.flatten(s) for p, s in states.items()}
+        if states["prefill"] is states["decode"]:
+            self.phase_params["prefill"] = self.phase_params["decode"]
         self.params, self.treedef = self.phase_params["prefill"]
         kv = model.init_kv(num_pages, page_size, fmt)
         if mesh is not None:

@@ -3,7 +3,7 @@
 Every step attends to two key sets: the row's cached context, gathered from KV pages and
 dequantized (slots < cached_len), and the step's own new tokens in full precision (causal).
 Prefill (T = chunk) and decode (T = 1) are the same computation; the Pallas kernels in
-``pallas_kernels/`` implement the paged half for the hot decode path.
+``pallas_kernels/`` implement the paged half for the hot decode path (``attention_pallas``).
 
 The serving path (``gqa_attention_paged`` / ``mla_attention_paged``) reads the cached context
 in chunks of pages inside a loop whose trip count is the batch's longest cached context, with
@@ -208,40 +208,3 @@ def mla_attention_paged(q_lat, q_rope, kv, fmt, page_table, cached_lens, new_lat
 # to the cached context (ctx_len = cached_lens, so it never reads the just-written token back
 # quantized), the new token's own key is scored here, and the two are merged exactly by
 # log-sum-exp.
-
-BACKENDS = ("xla", "pallas", "pallas_interpret")
-
-
-def mla_decode_pallas(q_lat, q_rope, kv, fmt, new_lat, new_rope, step, scale: float, interpret: bool):
-    """q_lat [B, 1, H, R], q_rope [B, 1, H, Dr], new_lat [B, 1, R], new_rope [B, 1, Dr] -> [B, 1, H, R]."""
-    from pallas_kernels.paged_attention import merge_attention, paged_attention_mla
-
-    ql, qr = q_lat[:, 0], q_rope[:, 0]
-    out_p, lse_p = paged_attention_mla(
-        ql, qr, paged.values_view(kv["latent"], fmt), paged.values_view(kv["rope"], fmt), kv.get("latent_scale"), kv.get("rope_scale"),
-        step.page_table, step.cached_lens, scale=scale, interpret=interpret,
-    )
-    s_new = (jnp.einsum("bhr,br->bh", ql, new_lat[:, 0]) + jnp.einsum("bhd,bd->bh", qr, new_rope[:, 0])) * scale
-    lse_new = jnp.where(step.new_lens[:, None] > 0, s_new.astype(jnp.float32), -jnp.inf)
-    out_new = jnp.broadcast_to(new_lat[:, 0][:, None, :], ql.shape)
-    out, _ = merge_attention(out_p, lse_p, out_new.astype(out_p.dtype), lse_new)
-    return out[:, None]
-
-
-def gqa_decode_pallas(q, kv, fmt, new_k, new_v, step, scale: float, interpret: bool):
-    """q [B, 1, H, D], new_k/new_v [B, 1, K, D] -> [B, 1, H, D]."""
-    from pallas_kernels.paged_attention import merge_attention, paged_attention_gqa
-
-    q1 = q[:, 0]
-    b, h, d = q1.shape
-    k = new_k.shape[2]
-    out_p, lse_p = paged_attention_gqa(
-        q1, paged.values_view(kv["k"], fmt), paged.values_view(kv["v"], fmt), kv.get("k_scale"), kv.get("v_scale"), step.page_table, step.cached_lens,
-        scale=scale, interpret=interpret,
-    )
-    kn = jnp.repeat(new_k[:, 0], h // k, axis=1)  # [B, H, D]: each query head's KV head
-    vn = jnp.repeat(new_v[:, 0], h // k, axis=1)
-    s_new = jnp.einsum("bhd,bhd->bh", q1, kn) * scale
-    lse_new = jnp.where(step.new_lens[:, None] > 0, s_new.astype(jnp.float32), -jnp.inf)
-    out, _ = merge_attention(out_p, lse_p, vn.astype(out_p.dtype), lse_new)
-    return out[:, None]

@@ -15,7 +15,8 @@ from flax import nnx
 from jaxserve.config import ConfigError, ModelConfig, parse_common, require
 from jaxserve.kv import paged
 from jaxserve.kv.formats import KVFormat
-from jaxserve.models.attention import mla_attention_paged, mla_decode_pallas
+from jaxserve.models.attention import mla_attention_paged
+from jaxserve.models.attention_pallas import backend_mesh, mla_decode_pallas
 from jaxserve.models.base import CausalLM, DecoderLayer, WeightSpec, keep, block_weights, skip_mtp_layers, t
 from jaxserve.models.layers import RMSNorm, apply_rope, param
 from jaxserve.quant.linear import head_columns, linear
@@ -62,7 +63,8 @@ class MLAttention(nnx.Module):
         ).astype(x.dtype)
         if backend != "xla" and x.shape[1] == 1:  # decode: the paged half in the Pallas kernel
             out_lat = mla_decode_pallas(
-                q_lat, q_rope, kv, fmt, lat, k_rope, step, cfg.softmax_scale, backend == "pallas_interpret"
+                q_lat, q_rope, kv, fmt, lat, k_rope, step, cfg.softmax_scale, backend == "pallas_interpret",
+                mesh=backend_mesh(backend),
             )
         else:
             out_lat = mla_attention_paged(

@@ -178,6 +178,23 @@ def quantize_state(state, spec: str | None, mesh=None, tied_head: bool = False):
     return nnx.from_flat_state(out)
 
 
+def phase_states(state, prefill: str | None, decode: str | None, mesh=None, tied_head: bool = False,
+                 prefill_from_decode: bool = False):
+    """-> ({phase: format spec}, {phase: state}) for the prefill and decode programs.
+
+    One copy whenever one suffices: both phases in one format share one state (the same
+    object), and with ``prefill_from_decode`` prefill reads the decode copy (an int4 prefill
+    then runs on the int4 path: slower than fp8/bf16, half the resident weights)."""
+    if prefill_from_decode:
+        if prefill is not None:
+            raise ValueError("prefill_from_decode_weights reads the decode copy: leave prefill_weights unset")
+        prefill = decode
+    canon = [spec and get_weight_format(spec).name for spec in (prefill, decode)]
+    dec = quantize_state(state, decode, mesh, tied_head)
+    pre = dec if canon[0] == canon[1] else quantize_state(state, prefill, mesh, tied_head)
+    return {"prefill": prefill, "decode": decode}, {"prefill": pre, "decode": dec}
+
+
 def state_nbytes(state) -> int:
     """Bytes of every array leaf (quantized values and scales included)."""
     return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
