@@ -122,3 +122,7 @@ def test_article_preset_decode_on_mesh_lowers_for_cuda(checkpoints, model, kerne
     assert re.search(rf'name = "{kernel}_\w+"', text), sorted(set(re.findall(r'name = "(\w+)"', text)))
     assert re.search(r'name = "int4_matmul_g32"', text)
     assert "manual_computation" in text or "{manual}" in text
+    # The prefill program (fp8 block-scaled weights, XLA chunked attention) lowers for CUDA too.
+    with _target_gpu(N):
+        prefill = llm.runner.lower("prefill", 4, tokens=16, platform="cuda").as_text()
+    assert "f8E4M3FN" in prefill and "int4_matmul" not in prefill
