@@ -10,6 +10,8 @@ def add_format_args(p) -> None:
     p.add_argument("--decode-weights", default=None,
                    help="decode weight format: bf16 | int8 | fp8_e4m3 | fp8:block128 | int4:g32|g64|g128 "
                         "(default: as loaded)")
+    p.add_argument("--prefill-from-decode-weights", action="store_true",
+                   help="prefill reads the decode copy (e.g. int4): one resident weight copy instead of two")
     p.add_argument("--matmul-backend", default="auto", choices=["auto", "cpu", "gpu", "interpret"],
                    help="quantized matmul formulations (auto: gpu on a GPU host, else cpu)")
     p.add_argument("--kv-cache-memory", default=None,
@@ -25,7 +27,8 @@ def add_format_args(p) -> None:
 def format_kwargs(args) -> dict:
     kw = dict(prefill_weights=args.prefill_weights, decode_weights=args.decode_weights,
               matmul_backend=args.matmul_backend, attention_backend=args.attention_backend,
-              kv_cache_memory=args.kv_cache_memory, memory_fraction=args.memory_fraction)
+              kv_cache_memory=args.kv_cache_memory, memory_fraction=args.memory_fraction,
+              prefill_from_decode_weights=args.prefill_from_decode_weights)
     if args.preset is not None:
         kw["preset"] = args.preset
     return kw

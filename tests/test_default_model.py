@@ -96,5 +96,10 @@ def test_cli_weight_formats_and_matmul_path(capsys):
     assert main(args) == 0
     err = capsys.readouterr().err
     assert "[prefill matmuls] bf16 -> cpu:bf16-dot" in err and "[decode matmuls] int8 -> cpu:w8a8" in err
+    args = ["generate", "--model", "checkpoints/tiny-kimi-k2", "--prompt-ids", "5,6", "--max-tokens", "2", "--no-warmup",
+            "--decode-weights", "int4:g32", "--prefill-from-decode-weights", "--kv-cache-memory", "1MiB"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "[prefill matmuls] int4:g32 -> cpu:int4-tiles-bf16" in err and "[memory]" in err
     assert main(["generate", "--model", "checkpoints/tiny-kimi-k2", "--prompt-ids", "5", "--decode-weights", "int3"]) == 2
     assert "unknown weight format" in capsys.readouterr().err
