@@ -16,7 +16,7 @@ records each parameter's shape, format per phase and leaf shapes/dtypes, so a re
 builds its target (with shardings from the logical-axis rules) before reading a byte.
 
 Why StandardCheckpointer: it saves and restores NNX state arrays bit-exact and restores
-each array straight into the sharding its target names (DESIGN.md section 5), fp8 and
+each array straight into the sharding its target names, fp8 and
 uint8 included (checked on this machine with orbax-checkpoint 0.12.8).
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@ Prefix cache
     tokens and parent hash, so a hash collision can never share a page. Pages are
     registered by ``commit_full_pages`` only after their KV has been written.
 
-Generations (the integrity design, see DESIGN.md section 3)
+Generations (the integrity design; docs/ARCHITECTURE.md, step 4)
     ``generation[p]`` is bumped when page ``p`` is acquired from free/evictable state
     (refcount 0 -> 1) and again when released (1 -> 0): odd = owned, even = not owned.
     A second sharer of a cached prefix page does not bump it. Each sequence records the

@@ -40,7 +40,7 @@ NULL_PAGE = 0
 
 
 class PageTracker:
-    """Generation-counter integrity check for paged KV (DESIGN.md section 3).
+    """Generation-counter integrity check for paged KV.
 
     Stateless: the generation array is carried by the caller (in the KV state), and
     every method is a pure function of its arguments, safe to call inside ``jax.jit``.

@@ -1,4 +1,4 @@
-"""Format experiments: reproduce the article's trade-off tables (SEED_FACTS.md) on this
+"""Format experiments: reproduce the article's trade-off tables on this
 machine with the real default model, and add what the article did not: quality measured on
 real text with bootstrap confidence intervals, and repeated seeds for sampled generation.
 

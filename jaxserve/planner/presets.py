@@ -86,7 +86,7 @@ GLM_4_6 = {
     "torch_dtype": "bfloat16",
 }
 
-# GLM-5: the fields named in DESIGN.md section 8 (78 layers, hidden 6144, MLA 512 + 64,
+# GLM-5: the published fields (78 layers, hidden 6144, MLA 512 + 64,
 # 256 experts top-8) plus the rest taken from the defaults of transformers 5.24's
 # GlmMoeDsaConfig (documented against the zai-org/GLM-5 checkpoint). Those are ASSUMED
 # (not checked against the hub's config.json): vocab, q_lora_rank, qk_nope/v head dims,
@@ -125,7 +125,7 @@ GLM_5 = {
 
 MODEL_PRESETS: dict[str, dict] = {"kimi-k2.6": KIMI_K2_6, "glm-4.6": GLM_4_6, "glm-5": GLM_5}
 
-# Figures from the source article (SEED_FACTS.md), printed beside the planner's own.
+# Figures from the source article (the provider's write-up of this deployment), printed beside the planner's own.
 ARTICLE = {
     "kimi-k2.6": {
         "setup": "8x H200, int4 experts + bf16 rest, tp=8",
