@@ -138,9 +138,9 @@ def main(argv=None) -> int:
     from jaxserve.bench.measure import CompileWatch, machine_info, median, write_json
     from jaxserve.bench.offline import fitted_max_model_len
     from jaxserve.bench.workload import make_workload
-    from jaxserve.cli import _enable_compile_cache
+    from jaxserve.cli_args import enable_compile_cache
 
-    _enable_compile_cache()
+    enable_compile_cache()
     if args.model is None:
         from jaxserve.checkpoint.gguf import default_model_dir
 

@@ -67,8 +67,8 @@ class JaxServe:
     def __init__(self, model_dir: str, config: str, max_batch: int, max_len: int):
         from jaxserve import LLM
         from jaxserve.bench.offline import fitted_max_model_len
-        from jaxserve.cli import _enable_compile_cache
-        _enable_compile_cache()
+        from jaxserve.cli_args import enable_compile_cache
+        enable_compile_cache()
         kw = dict(page_size=16, max_num_seqs=max_batch, max_prefill_seqs=8, prefill_chunk=128,
                   max_num_batched_tokens=1024, enable_prefix_caching=False)  # as bench/vs_transformers.py
         kw.update(jaxserve_kwargs(config))

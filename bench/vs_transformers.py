@@ -97,10 +97,10 @@ def main(argv=None) -> int:
     from jaxserve.bench.measure import CompileWatch, machine_info, median, write_json
     from jaxserve.bench.offline import fitted_max_model_len
     from jaxserve.bench.workload import make_workload
-    from jaxserve.cli import _enable_compile_cache
+    from jaxserve.cli_args import enable_compile_cache
     from jaxserve.engine.sampling_params import SamplingParams
 
-    _enable_compile_cache()
+    enable_compile_cache()
     default_threads = torch.get_num_threads()
     thread_counts = list(dict.fromkeys(int(t) or default_threads for t in args.torch_threads.split(",")))
     if args.model is None:

@@ -6,11 +6,10 @@ Heavy imports (jax, the models) happen inside the subcommands, so ``--help`` is 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-from jaxserve.cli_args import add_format_args, format_kwargs
+from jaxserve.cli_args import add_format_args, enable_compile_cache, ensure_cpu_devices, format_kwargs
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -18,24 +17,6 @@ def _parse_ids(text: str) -> list[int]:
         return [int(x) for x in text.replace(",", " ").split()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--prompt-ids takes integers separated by spaces or commas, got {text!r}")
-
-
-def _ensure_cpu_devices(n: int) -> None:
-    """Ask XLA's host platform for n devices (no effect on GPU). Must run before jax import."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if n > 1 and "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-
-
-def _enable_compile_cache() -> None:
-    """Persist compiled programs across runs (~/.cache/jaxserve/xla, or $JAXSERVE_CACHE_DIR/xla)."""
-    import jax
-
-    from jaxserve.checkpoint.gguf import cache_root
-
-    if not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def add_generate(sub) -> None:
@@ -75,8 +56,8 @@ def add_generate(sub) -> None:
 def run_generate(args) -> int:
     if not args.prompts and not args.prompt_ids:
         raise ValueError("give at least one text prompt or --prompt-ids")
-    _ensure_cpu_devices(args.num_devices)
-    _enable_compile_cache()
+    ensure_cpu_devices(args.num_devices)
+    enable_compile_cache()
     from jaxserve.llm import LLM
 
     t0 = time.perf_counter()

@@ -1,6 +1,9 @@
-"""Command-line options shared by generate, serve and bench: per-phase weight formats, the matmul
-and attention backends, presets and the KV memory budget (EngineConfig fields; see README)."""
+"""Command-line options and set-up shared by generate, serve and bench: per-phase weight formats,
+the matmul and attention backends, presets and the KV memory budget (EngineConfig fields; see
+README), virtual CPU devices and the persistent compile cache."""
 from __future__ import annotations
+
+import os
 
 
 def add_format_args(p) -> None:
@@ -32,3 +35,21 @@ def format_kwargs(args) -> dict:
     if args.preset is not None:
         kw["preset"] = args.preset
     return kw
+
+
+def ensure_cpu_devices(n: int) -> None:
+    """Ask XLA's host platform for n devices (no effect on GPU). Must run before jax import."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def enable_compile_cache() -> None:
+    """Persist compiled programs across runs (~/.cache/jaxserve/xla, or $JAXSERVE_CACHE_DIR/xla)."""
+    import jax
+
+    from jaxserve.checkpoint.gguf import cache_root
+
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

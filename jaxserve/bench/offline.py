@@ -265,10 +265,10 @@ def engine_kwargs(args) -> dict:
 
 
 def run(args) -> int:
-    from jaxserve.cli import _enable_compile_cache
+    from jaxserve.cli_args import enable_compile_cache
     from jaxserve.llm import LLM
 
-    _enable_compile_cache()
+    enable_compile_cache()
     t = time.perf_counter()
     kw = engine_kwargs(args)
     llm = LLM(args.model, dtype=args.dtype, kv_format=args.kv_format, **kw)

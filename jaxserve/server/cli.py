@@ -48,11 +48,11 @@ def register_serve(sub) -> None:
 
 def run_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from jaxserve.cli import _enable_compile_cache, _ensure_cpu_devices
+    from jaxserve.cli_args import enable_compile_cache, ensure_cpu_devices
     from jaxserve.cli_args import format_kwargs
 
-    _ensure_cpu_devices(args.num_devices)
-    _enable_compile_cache()
+    ensure_cpu_devices(args.num_devices)
+    enable_compile_cache()
     from jaxserve.llm import LLM
 
     llm = LLM(
