@@ -102,9 +102,8 @@ def quality_plot(result: dict, path: Path) -> Path | None:
     plt = _plt()
     if plt is None:
         return None
-    from jaxserve.experiments.quality import ordered
 
-    res = {n: r for n, r in ordered(result["results"]).items() if not r.get("reference")}
+    res = {n: r for n, r in result["results"].items() if not r.get("reference")}
     if not res:
         return None
     names = list(res)
@@ -145,9 +144,8 @@ def quality_position_plot(result: dict, path: Path) -> Path | None:
     plt = _plt()
     if plt is None:
         return None
-    from jaxserve.experiments.quality import ordered
 
-    res = {n: r for n, r in ordered(result["results"]).items() if "kl_by_position" in r}
+    res = {n: r for n, r in result["results"].items() if "kl_by_position" in r}
     if not res:
         return None
     st = result["settings"]

@@ -415,8 +415,9 @@ def write(result: dict, out: Path, name: str, plots: bool) -> dict:
     if plots:
         from jaxserve.experiments import plots as P
 
+        shown = dict(result, results=ordered(result["results"]))  # the plots draw in the tables' order
         for tag, fn in (("png", P.quality_plot), ("png_positions", P.quality_position_plot)):
-            png = fn(result, out / (f"{name}.png" if tag == "png" else f"{name}_kl_by_position.png"))
+            png = fn(shown, out / (f"{name}.png" if tag == "png" else f"{name}_kl_by_position.png"))
             if png:
                 files[tag] = str(png)
     result["files"] = files
