@@ -143,7 +143,7 @@ class ModelRunner:
         for phase, (leaves, treedef) in self.phase_params.items():
             stored = jax.tree.leaves(jax.tree.unflatten(treedef, leaves), is_leaf=lambda x: isinstance(x, PhaseWeight))
             formats = sorted({x.qw.format for x in stored if isinstance(x, PhaseWeight)})
-            out[phase] = "; ".join(describe(f, self.matmul_backend) for f in formats) or describe(None, "cpu")
+            out[phase] = "; ".join(describe(f, self.matmul_backend) for f in formats) or describe(None, self.matmul_backend)
         return out
 
     def kv_sharding(self, kv):

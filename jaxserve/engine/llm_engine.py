@@ -40,7 +40,7 @@ class LLMEngine:
 
     def __init__(self, model, config: EngineConfig, fmt, tokenizer=None, mesh=None):
         page_bytes = kv_memory.format_token_bytes(fmt, *kv_memory.model_token_layout(model, fmt)) * config.page_size
-        budget = kv_memory.kv_budget(config.kv_cache_memory, config.memory_fraction, 0)
+        budget = kv_memory.kv_budget(config.kv_cache_memory, config.memory_fraction)
         if budget is not None:  # the byte budget decides the page count
             config = dataclasses.replace(config, num_pages=kv_memory.pages_for_budget(budget, page_bytes))
         self.kv_page_bytes = page_bytes

@@ -73,7 +73,7 @@ def run(
                   max_model_len=max_len, enable_prefix_caching=False)
         if llm.num_pages != num_pages:
             raise AssertionError(f"{fmt}: the engine made {llm.num_pages} pages of the budget, expected {num_pages}")
-        held = common.runner_kv_bytes(llm)
+        held = llm.memory_report()["kv_bytes"]
         if held != num_pages * bpp or held > kv_budget:
             raise AssertionError(f"{fmt}: runner holds {held} B of KV, expected {num_pages} x {bpp} <= {kv_budget}")
         llms[fmt] = llm

@@ -169,14 +169,6 @@ def kv_bytes_per_page(model_path: str, kv_format: str, page_size: int, dtype: st
     return format_token_bytes(fmt, *model_token_layout(abstract, fmt)) * page_size
 
 
-def runner_kv_bytes(llm) -> int:
-    """Bytes the runner's KV pool arrays actually hold (all pages, page 0 included)."""
-    import jax
-
-    return int(sum(x.nbytes for x in jax.tree.leaves(llm.runner.kv)))
-
-
-# ---------------------------------------------------------------- corpus
 def corpus_texts() -> list[tuple[str, str]]:
     """(topic, text) from CPython's pydoc_data.topics: the Python documentation text that ships
     with the interpreter, written by the CPython documentation authors. Sorted by topic."""

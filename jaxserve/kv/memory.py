@@ -77,19 +77,19 @@ def pages_for_budget(budget_bytes: int, page_bytes: int) -> int:
     return pages
 
 
-def free_memory_after(weight_bytes: int) -> int:
+def free_memory() -> int:
     """Bytes a KV cache could take: the accelerator's limit minus its use (weights already
     placed), or on CPU the host's available memory (the weights already counted in)."""
     dev = jax.devices()[0]
     stats = dev.memory_stats() if dev.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", weight_bytes))
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     with open("/proc/meminfo") as f:
         info = dict(line.split(":", 1) for line in f)
     return int(info["MemAvailable"].split()[0]) * 1024
 
 
-def kv_budget(kv_cache_memory, memory_fraction: float | None, weight_bytes: int) -> int | None:
+def kv_budget(kv_cache_memory, memory_fraction: float | None) -> int | None:
     """The KV byte budget asked for: an explicit size, else a fraction of the free memory
     (None: neither asked, the caller keeps its page count)."""
     if kv_cache_memory is not None:
@@ -98,4 +98,4 @@ def kv_budget(kv_cache_memory, memory_fraction: float | None, weight_bytes: int)
         return None
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-    return int(free_memory_after(weight_bytes) * memory_fraction)
+    return int(free_memory() * memory_fraction)

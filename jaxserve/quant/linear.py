@@ -34,8 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.quant import paths as _paths
-from jaxserve.quant.paths import PATHS, Path, family_of, slice_columns
+from jaxserve.quant.paths import PATHS, Path, dequantize_columns, dequantize_tile, family_of, slice_columns, tile_cols
 from jaxserve.quant.qweight import QuantizedWeight
 
 BACKENDS = ("auto", "cpu", "gpu", "interpret")
@@ -139,7 +138,7 @@ def embedding(tokens: jax.Array, w) -> jax.Array:
     w = _value(w)
     if getattr(w, "qw", None) is None:
         return jnp.take(w, tokens, axis=0)
-    cols = _paths.dequantize_columns(w.qw, tokens.reshape(-1), jnp.float32)  # [D, n]
+    cols = dequantize_columns(w.qw, tokens.reshape(-1), jnp.float32)  # [D, n]
     return cols.T.reshape(*tokens.shape, w.qw.shape[0])
 
 
@@ -164,12 +163,12 @@ def head_columns(w, per_head: int, fn, heads_per_tile: int | None = None):
     [R, H, per_head] weight and concatenate the results along axis ``-2`` of each (the head axis
     of the caller's output). MLA's absorbed W_uk / W_uv contract kv_b over different axes
     per head; a plain weight is one tile, a quantized one is dequantized a tile at a time
-    (``Path.tile_columns`` columns), so no whole dense copy exists."""
+    (``paths.tile_cols`` columns), so no whole dense copy exists."""
     qw, shape, dense = _split(w)
     r, h, _ = shape
     if qw is None:
         return fn(dense, 0, h)
-    cols = path_for(qw.format).tile_columns
+    cols = tile_cols(qw)
     hpt = heads_per_tile or max(1, min(h, cols // per_head))
     block = qw.fmt.scale_block[1] if qw.fmt.scale_block else 1
     while hpt < h and (hpt * per_head) % max(block, 1):  # tiles must start on a scale block
@@ -178,5 +177,5 @@ def head_columns(w, per_head: int, fn, heads_per_tile: int | None = None):
     for h0 in range(0, h, hpt):
         h1 = min(h, h0 + hpt)
         tile = slice_columns(qw, h0 * per_head, h1 * per_head)
-        outs.append(fn(_paths.dequantize_tile(tile).reshape(r, h1 - h0, per_head), h0, h1))
+        outs.append(fn(dequantize_tile(tile).reshape(r, h1 - h0, per_head), h0, h1))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-2)

@@ -8,7 +8,7 @@ XLA:CPU sends s8 x s8 -> s32 and bf16 x bf16 -> f32 dots to YNNPACK (VNNI / AVX5
 when they have at least 2 rows, but never fuses a dequantization into a dot: a converted
 weight is written out whole and read again. So int8 and bf16 weights are multiplied as
 stored; fp8 and int4 (which no CPU dot takes) are dequantized one column tile at a time
-(``tile_columns`` columns, about 1 MiB of bf16) just before that tile's dot, so the whole
+(``tile_cols``: about 1 MiB of bf16) just before that tile's dot, so the whole
 dense weight never exists.
 """
 from __future__ import annotations
@@ -30,7 +30,6 @@ class Path:
     numerics: str  # what is rounded where, and the accumulation type
     dense: Callable  # (x [M, K], qw [K, N]) -> f32 [M, N]
     ragged: Callable  # (x [M, K], qw [E, K, N], group_sizes [E]) -> f32 [M, N]
-    tile_columns: int = 1024  # columns per dequantized tile where the path dequantizes
 
 
 def family_of(format_name: str | None) -> str:
