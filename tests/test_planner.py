@@ -193,7 +193,7 @@ def test_cli_compare_and_table(capsys):
     text = capsys.readouterr().out
     assert "705 GB" in text and "int4 g128 + fp8" in text and "assumptions:" in text
     assert main(["--experts-format", "int4:g32", "--rest-format", "bf16", "--kv-format", "fp8"]) == 0
-    assert "1,361,350" in capsys.readouterr().out
+    assert "1,352,078" in capsys.readouterr().out
 
 
 def test_register_adds_plan_subcommand(capsys):

@@ -109,7 +109,7 @@ def _common(c: dict, n_dense: int, n_moe: int, mtp: int) -> list[Tensor]:
         si = mi * c.get("n_shared_experts", 0)
         out += [Tensor("experts.gate_proj+up_proj", mi, h, 2 * e * n_moe, "experts", "ep"),
                 Tensor("experts.down_proj", h, mi, e * n_moe, "experts", "ep"),
-                Tensor("gate.weight", e, h, n_moe, "norms", "rep", keep=2),
+                Tensor("gate.weight", e, h, n_moe, "norms", "rep", keep=4),
                 Tensor("gate.e_score_correction_bias", e, 1, n_moe, "norms", "rep", keep=4)]
         if si:
             out += [Tensor("shared_experts.gate_proj+up_proj", si, h, 2 * n_moe, "mlp", "tp"),

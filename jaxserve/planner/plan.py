@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxserve.quant.sizes import matrix_bytes
+
 from .inventory import (GROUP_LABELS, GROUPS, UnsupportedArchitecture, kv_layout, model_tensors,
                         resolve_architecture)
 from .presets import DeviceSpec, get_device
@@ -36,16 +38,19 @@ DEFAULT_KV_SCALE_BYTES = 4       # one float32 scale per cached vector per token
 
 @dataclasses.dataclass(frozen=True)
 class WeightFormat:
-    """How a [rows, cols] (out, in) weight matrix is stored.
+    """How a [rows, cols] (out, in) weight matrix is stored; its bytes come from the engine's
+    ``jaxserve.quant.sizes.matrix_bytes``.
 
     bf16: 2 B/weight. fp8: 1 B/weight + float32 scales, one per output channel
-    (group=0) or per group x group block. int4: 0.5 B/weight + one bf16 scale per
-    ``group`` consecutive input weights of a row (symmetric, as compressed-tensors
-    pack-quantized ships; no zero points).
+    (group=0) or per group x group block. int8: 1 B/weight + one float32 scale per output
+    channel. int4: 0.5 B/weight + one scale per ``group`` consecutive input weights of a row
+    (symmetric, no zero points), bf16 as compressed-tensors pack-quantized ships them
+    (``scale_bytes`` 4 for the float32 scales the engine makes when it quantizes at load).
     """
 
-    kind: str  # "bf16" | "fp8" | "int4"
+    kind: str  # "bf16" | "fp8" | "int8" | "int4"
     group: int = 0
+    scale_bytes: int = 0  # 0: the kind's default (int4 2, fp8/int8 4)
 
     @property
     def name(self) -> str:
@@ -54,13 +59,8 @@ class WeightFormat:
         return f"int4:g{self.group}" if self.kind == "int4" else self.kind
 
     def nbytes(self, rows: int, cols: int) -> int:
-        if self.kind == "bf16":
-            return 2 * rows * cols
-        if self.kind == "fp8":
-            g = self.group
-            scales = rows if not g else math.ceil(rows / g) * math.ceil(cols / g)
-            return rows * cols + 4 * scales
-        return rows * math.ceil(cols / 2) + 2 * rows * math.ceil(cols / self.group)
+        scale = self.scale_bytes or (2 if self.kind == "int4" else 4)
+        return matrix_bytes(self.kind, cols, rows, self.group, scale)
 
 
 def parse_weight_format(spec: str | WeightFormat) -> WeightFormat:
@@ -70,8 +70,8 @@ def parse_weight_format(spec: str | WeightFormat) -> WeightFormat:
     s = spec.lower().replace("fp8_e4m3", "fp8").replace("bfloat16", "bf16")
     kind, _, opt = s.partition(":")
     try:
-        if kind == "bf16" and not opt:
-            return WeightFormat("bf16")
+        if (kind, opt) in (("bf16", ""), ("int8", ""), ("int8", "channel")):
+            return WeightFormat(kind)
         if kind == "fp8":
             if opt == "channel":
                 return WeightFormat("fp8", 0)
@@ -82,7 +82,8 @@ def parse_weight_format(spec: str | WeightFormat) -> WeightFormat:
                 return WeightFormat("int4", g)
     except ValueError:
         pass
-    raise ValueError(f"unknown weight format {spec!r} (bf16, fp8, fp8:channel, fp8:block128, int4:g32, int4:g128)")
+    raise ValueError(f"unknown weight format {spec!r} (bf16, fp8, fp8:channel, fp8:block128, int8, int4:g32, "
+                     "int4:g128)")
 
 
 KV_FORMATS = {"bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
@@ -233,7 +234,8 @@ def plan(config: dict, *, devices: int = 8, device: str | DeviceSpec = "h200",
                if layout.kind == "mla" else "GQA K and V split by KV head (one head per device if tp > kv_heads)"),
         "kv_scales": (f"fp8 only: {kv_scale_bytes} B per cached vector per token ({layout.vectors} vectors/token: "
                       f"{vectors}); the article's figure ignores scales (kv_scale_bytes=0)"),
-        "kept_dtypes": "norms, router weight and biases bf16; e_score_correction_bias float32; never quantized",
+        "kept_dtypes": ("norms bf16; router weight and e_score_correction_bias float32 (routing runs in float32); "
+                        "never quantized"),
         "int4": "symmetric, one bf16 scale per group of input weights (compressed-tensors pack-quantized)",
         "fp8": "e4m3, float32 scales per output channel or per 128x128 block",
         "mtp": ("MTP layers counted (embeddings/head shared)" if include_mtp else

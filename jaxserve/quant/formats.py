@@ -35,6 +35,8 @@ from .qweight import REGISTERED, QuantizedWeight, WeightFormat, check_weight
 class Bf16Format(WeightFormat):
     """Plain bfloat16 cast: values bf16 [..., K, N], no scales. 2 B/param."""
 
+    size_kind = ("bf16", 0)
+
     @property
     def name(self) -> str:
         return "bf16"

@@ -41,6 +41,7 @@ class Fp8ChannelFormat(WeightFormat):
     """
 
     scale_block = (0, 1)  # one scale covers all of K and one column of N
+    size_kind = ("fp8", 0)
 
     @property
     def name(self) -> str:
@@ -68,6 +69,10 @@ class Fp8BlockFormat(WeightFormat):
     @property
     def name(self) -> str:
         return f"fp8:block{self.block}"
+
+    @property
+    def size_kind(self) -> tuple[str, int]:
+        return ("fp8", self.block)
 
     @property
     def scale_block(self):

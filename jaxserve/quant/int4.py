@@ -88,6 +88,10 @@ class Int4GroupFormat(WeightFormat):
     def scale_block(self):
         return (self.group, 1)
 
+    @property
+    def size_kind(self) -> tuple[str, int]:
+        return ("int4", self.group)
+
     def padded_k(self, k: int) -> int:
         return -(-k // self.group) * self.group
 

@@ -30,6 +30,7 @@ class Int8ChannelFormat(WeightFormat):
     """int8 values [..., K, N], float32 scales [..., 1, N] (one per output channel)."""
 
     scale_block = (0, 1)
+    size_kind = ("int8", 0)
 
     @property
     def name(self) -> str:

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .sizes import matrix_bytes
+
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scales"],
                    meta_fields=["format", "shape"])
@@ -86,6 +88,19 @@ class WeightFormat:
     def nbytes(self, qw: QuantizedWeight) -> int:
         """True storage bytes: values plus scales (padding included)."""
         return _arr_nbytes(qw.values) + _arr_nbytes(qw.scales)
+
+    @property
+    def size_kind(self) -> tuple[str, int]:
+        """(kind, group) for ``jaxserve.quant.sizes.matrix_bytes``."""
+        raise NotImplementedError
+
+    def storage_bytes(self, shape, scale_bytes: int = 4) -> int:
+        """Bytes a weight of ``shape`` [..., K, N] takes in this format, from its shape alone
+        (``matrix_bytes``, the function the capacity planner uses); ``scale_bytes`` 2 for a
+        checkpoint's shipped bf16 scales."""
+        *lead, k, n = shape
+        kind, group = self.size_kind
+        return math.prod(lead) * matrix_bytes(kind, k, n, group, scale_bytes)
 
     def _wrap(self, values, scales, shape) -> QuantizedWeight:
         return QuantizedWeight(values, scales, self.name, tuple(int(d) for d in shape))

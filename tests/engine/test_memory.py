@@ -67,3 +67,41 @@ def test_report_counts_one_copy_when_shared(tiny_ckpt):
     r = LLM(tiny_ckpt, prefill_weights="int8", decode_weights="int8", num_pages=4, **KW).memory_report()
     w = r["weight_bytes"]
     assert w["resident"] == w["prefill"] == w["decode"] and np.isfinite(w["resident"])
+
+
+def _plan_json(path, capsys) -> dict:
+    from jaxserve.planner.cli import main as plan_main
+
+    assert plan_main(["--model", str(path), "--devices", "1", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_weights_equal_what_the_engine_allocates(tmp_path, capsys):
+    """`jaxserve plan` on a checkpoint gives the bytes the engine allocates when it serves it as
+    shipped: bf16 (MLA and GQA), fp8 block-quantized, and compressed-tensors int4 experts (whose
+    bf16 scales stay bf16)."""
+    from hf_models import build_deepseek_v3
+    from test_prequantized import make_prequantized
+
+    build_deepseek_v3(tmp_path / "base", num_hidden_layers=2, intermediate_size=192, seed=3)
+    build_glm4_moe(tmp_path / "glm", num_hidden_layers=2)
+    ckpts = [tmp_path / "base", tmp_path / "glm"]
+    ckpts += [make_prequantized(tmp_path / "base", tmp_path / k, k)[0] for k in ("fp8", "int4")]
+    for path in ckpts:
+        planned = _plan_json(path, capsys)
+        w = LLM(str(path), dtype="bfloat16", num_pages=4, **KW).memory_report()["weight_bytes"]
+        assert planned["checkpoint_bytes"] == planned["weights_bytes_per_device"] == w["resident"], path.name
+        assert w["prefill"] == w["decode"] == w["resident"]  # one format: one copy
+
+
+def test_engine_formats_allocate_what_the_shared_size_function_says():
+    """Every registered format's arrays take exactly ``storage_bytes`` (the function the planner
+    sums), odd shapes (partial blocks and groups) and stacked experts included."""
+    from jaxserve.quant.formats import get_weight_format, weight_format_names
+
+    rng = np.random.default_rng(0)
+    for name in weight_format_names():
+        fmt = get_weight_format(name)
+        for shape in [(64, 48), (3, 200, 130), (40, 7)]:
+            qw = fmt.quantize(rng.standard_normal(shape).astype(np.float32))
+            assert qw.nbytes == fmt.storage_bytes(shape), (name, shape)
