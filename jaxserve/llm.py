@@ -74,8 +74,10 @@ class LLM:
             if preset not in PRESETS:
                 raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
             chosen = dict(PRESETS[preset])
-            kv_format = chosen.pop("kv_format")
-            engine_kwargs = {**chosen, **engine_kwargs}
+            kv_format = kv_format or chosen.pop("kv_format")
+            chosen.pop("kv_format", None)
+            # A None argument is one not given (a CLI flag left unset): the preset's value stays.
+            engine_kwargs = {**chosen, **{k: v for k, v in engine_kwargs.items() if v is not None or k not in chosen}}
         if dtype == "auto":
             import jax
 

@@ -81,6 +81,14 @@ def test_article_preset(tiny_ckpt):
         LLM(tiny_ckpt, preset="nope")
 
 
+def test_preset_fills_what_is_not_given(tiny_ckpt):
+    """Explicit arguments win over the preset; None (a CLI flag left unset) keeps the preset's value."""
+    llm = LLM(tiny_ckpt, preset="article", kv_format="bf16", prefill_weights=None, decode_weights="int8",
+              num_pages=8, page_size=8)
+    assert llm.fmt.name == "bf16"
+    assert llm.runner.weight_formats == {"prefill": "fp8:block128", "decode": "int8"}
+
+
 def test_quantized_state_is_smaller():
     from jaxserve.loader import load_model
 
