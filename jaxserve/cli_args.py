@@ -1,4 +1,4 @@
-"""Command-line options and set-up shared by generate, serve and bench: per-phase weight formats,
+"""Command-line options and set-up shared by generate, serve, bench and experiment: per-phase weight formats,
 the matmul and attention backends, presets and the KV memory budget (EngineConfig fields; see
 README), virtual CPU devices and the persistent compile cache."""
 from __future__ import annotations
@@ -6,34 +6,45 @@ from __future__ import annotations
 import os
 
 
-def add_format_args(p) -> None:
-    """Per-phase weight formats, matmul and attention backends, KV budget, preset (generate, serve, bench)."""
-    p.add_argument("--prefill-weights", default=None,
-                   help="prefill weight format: bf16 | int8 | fp8_e4m3 | fp8:block128 (default: as loaded)")
-    p.add_argument("--decode-weights", default=None,
-                   help="decode weight format: bf16 | int8 | fp8_e4m3 | fp8:block128 | int4:g32|g64|g128 "
-                        "(default: as loaded)")
-    p.add_argument("--prefill-from-decode-weights", action="store_true",
-                   help="prefill reads the decode copy (e.g. int4): one resident weight copy instead of two")
-    p.add_argument("--matmul-backend", default="auto", choices=["auto", "cpu", "gpu", "interpret"],
-                   help="quantized matmul formulations (auto: gpu on a GPU host, else cpu)")
-    p.add_argument("--kv-cache-memory", default=None,
-                   help="KV pool size in bytes (48GiB, 512MiB, ...): decides the page count for the KV format")
-    p.add_argument("--memory-fraction", type=float, default=None,
-                   help="KV pool = this fraction of the memory free after loading (GPU: device; CPU: available RAM)")
-    p.add_argument("--attention-backend", default=None, choices=["xla", "pallas", "pallas_interpret"],
-                   help="decode attention (default: pallas on a GPU, else xla)")
-    p.add_argument("--preset", default=None,
-                   help="a named configuration: article (fp8 KV, fp8 prefill, int4 decode) | cpu (bf16 prefill, int8 decode)")
+def add_format_args(p, skip: tuple[str, ...] = ()) -> None:
+    """Per-phase weight formats, matmul and attention backends, KV budget, preset (generate, serve,
+    bench, experiment); ``skip`` names flags a command defines its own way (their value is then None)."""
+    add = _skipping(p, skip)
+    add("--prefill-weights", default=None,
+        help="prefill weight format: bf16 | int8 | fp8_e4m3 | fp8:block128 (default: as loaded)")
+    add("--decode-weights", default=None,
+        help="decode weight format: bf16 | int8 | fp8_e4m3 | fp8:block128 | int4:g32|g64|g128 "
+             "(default: as loaded)")
+    add("--prefill-from-decode-weights", action="store_true",
+        help="prefill reads the decode copy (e.g. int4): one resident weight copy instead of two")
+    add("--matmul-backend", default="auto", choices=["auto", "cpu", "gpu", "interpret"],
+        help="quantized matmul formulations (auto: gpu on a GPU host, else cpu)")
+    add("--kv-cache-memory", default=None,
+        help="KV pool size in bytes (48GiB, 512MiB, ...): decides the page count for the KV format")
+    add("--memory-fraction", type=float, default=None,
+        help="KV pool = this fraction of the memory free after loading (GPU: device; CPU: available RAM)")
+    add("--attention-backend", default=None, choices=["xla", "pallas", "pallas_interpret"],
+        help="decode attention (default: pallas on a GPU, else xla)")
+    add("--preset", default=None,
+        help="a named configuration: article (fp8 KV, fp8 prefill, int4 decode) | cpu (bf16 prefill, int8 decode)")
+
+
+def _skipping(p, skip):
+    def add(flag, **kw):
+        if flag not in skip:
+            p.add_argument(flag, **kw)
+    return add
 
 
 def format_kwargs(args) -> dict:
-    kw = dict(prefill_weights=args.prefill_weights, decode_weights=args.decode_weights,
-              matmul_backend=args.matmul_backend, attention_backend=args.attention_backend,
-              kv_cache_memory=args.kv_cache_memory, memory_fraction=args.memory_fraction,
-              prefill_from_decode_weights=args.prefill_from_decode_weights)
-    if args.preset is not None:
-        kw["preset"] = args.preset
+    """The engine keyword arguments these flags give (a flag the command skipped reads as unset)."""
+    get = lambda name: getattr(args, name, None)  # noqa: E731
+    kw = dict(prefill_weights=get("prefill_weights"), decode_weights=get("decode_weights"),
+              matmul_backend=get("matmul_backend") or "auto", attention_backend=get("attention_backend"),
+              kv_cache_memory=get("kv_cache_memory"), memory_fraction=get("memory_fraction"),
+              prefill_from_decode_weights=bool(get("prefill_from_decode_weights")))
+    if get("preset") is not None:
+        kw["preset"] = get("preset")
     return kw
 
 

@@ -80,6 +80,24 @@ def test_cli_help_and_sizes():
     assert out.returncode == 0 and "capacity" in out.stdout and "quality" in out.stdout
 
 
+def test_cli_engine_flags(capsys):
+    """The engine flags serve and generate take reach the experiments; a sweep refuses the ones it sets."""
+    from jaxserve.experiments.cli import _engine_kw, build_parser, main
+
+    p = build_parser()
+    a = p.parse_args(["capacity", "--preset", "article", "--decode-weights", "int8", "--attention-backend", "xla",
+                      "--kv-cache-memory", "4MiB"])
+    assert a.kv_budget == 4 * 2**20
+    assert _engine_kw(a) == {"preset": "article", "decode_weights": "int8", "attention_backend": "xla",
+                             "matmul_backend": "auto"}
+    a = p.parse_args(["weights", "--memory-fraction", "0.01", "--matmul-backend", "cpu"])
+    assert _engine_kw(a) == {"memory_fraction": 0.01, "matmul_backend": "cpu"}
+    assert main(["weights", "--decode-weights", "int8"]) == 2
+    assert "sweeps the weight formats" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # quality sizes its pages for the documents: no budget flags
+        p.parse_args(["quality", "--kv-cache-memory", "1MiB"])
+
+
 # ---------------------------------------------------------------- experiments on a tiny model
 
 
@@ -115,11 +133,12 @@ def test_capacity_tiny(tiny_llama, tmp_path):
     bpp = {f: common.kv_bytes_per_page(tiny_llama, f, 16) for f in ("bf16", "fp8_e4m3")}
     budget = 2 * bpp["bf16"] + 100  # bf16: 2 pages (1 request + the null page); fp8: 3 pages (2 requests)
     r = capacity.run(tiny_llama, budget, levels=None, max_concurrency=8, prompt_len=8, max_tokens=6, reps=1,
-                     out_dir=tmp_path, log=lambda *a: None)
+                     out_dir=tmp_path, log=lambda *a: None, engine_kw={"decode_weights": "int8"})
     data, md = _files_exist(r, ["json", "markdown", "png"])
     f = data["formats"]
     assert f["bf16"]["num_pages"] == budget // bpp["bf16"] == 2 and f["fp8_e4m3"]["num_pages"] == 3
     assert f["bf16"]["kv_bytes_held"] <= budget and f["fp8_e4m3"]["kv_bytes_held"] <= budget
+    assert f["bf16"]["weight_formats"]["decode"] == f["fp8_e4m3"]["weight_formats"]["decode"] == "int8"
     per = data["summary"]["per_format"]
     assert per["bf16"]["highest_concurrency_without_preemption"] == 1
     assert per["fp8_e4m3"]["highest_concurrency_without_preemption"] == 2

@@ -47,7 +47,9 @@ def run(
     name: str = "capacity",
     plots: bool = True,
     log=print,
+    engine_kw: dict | None = None,
 ) -> dict:
+    """engine_kw: further LLM arguments every format's engine gets (weight formats, backends)."""
     from jaxserve import LLM
     from jaxserve.engine.sampling_params import SamplingParams
 
@@ -70,7 +72,7 @@ def run(
         llm = LLM(model, dtype=dtype, kv_format=fmt, kv_cache_memory=kv_budget, page_size=page_size,
                   max_num_seqs=max_level, max_prefill_seqs=max_level,
                   max_num_batched_tokens=max_level * prompt_len, prefill_chunk=max(prompt_len, 16),
-                  max_model_len=max_len, enable_prefix_caching=False)
+                  max_model_len=max_len, enable_prefix_caching=False, **(engine_kw or {}))
         if llm.num_pages != num_pages:
             raise AssertionError(f"{fmt}: the engine made {llm.num_pages} pages of the budget, expected {num_pages}")
         held = llm.memory_report()["kv_bytes"]
@@ -80,7 +82,7 @@ def run(
         formats[fmt] = {
             "bytes_per_page": bpp, "bytes_per_token": bpp / page_size, "num_pages": num_pages,
             "kv_bytes_held": held, "usable_pages": num_pages - 1, "token_slots": (num_pages - 1) * page_size,
-            "requests_that_fit": (num_pages - 1) // per_req,
+            "requests_that_fit": (num_pages - 1) // per_req, "weight_formats": llm.runner.weight_formats,
         }
     vocab = next(iter(llms.values())).cfg.vocab_size
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
@@ -125,7 +127,8 @@ def run(
         "experiment": "capacity", "meta": meta,
         "settings": {"kv_budget_bytes": kv_budget, "kv_formats": list(kv_formats), "levels": levels,
                      "prompt_len": prompt_len, "max_tokens": max_tokens, "reps": reps, "page_size": page_size,
-                     "dtype": dtype, "seed": seed, "pages_per_request": per_req},
+                     "dtype": dtype, "seed": seed, "pages_per_request": per_req,
+                     "engine": dict(engine_kw or {})},
         "formats": formats, "runs": runs, "summary": summary,
     }
     out = Path(out_dir)

@@ -10,20 +10,23 @@ Results go to bench/results/experiments/ (``--out``) as NAME.json, NAME.md and N
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
+from jaxserve.cli_args import add_format_args, format_kwargs
 from jaxserve.experiments import common
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+# Flags a sweep over weight formats sets itself (weights, quality).
+SWEPT = ("--prefill-weights", "--decode-weights", "--prefill-from-decode-weights", "--preset")
 
 
 def parse_size(s: str) -> int:
-    """'6.5MB' -> 6500000, '4MiB' -> 4194304, '123' -> 123 (bytes)."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(s))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"bad size {s!r} (e.g. 6.5MB, 4MiB, 123456)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """'6.5MB' -> 6500000, '4MiB' -> 4194304, '123' -> 123 (bytes; jaxserve.kv.memory.parse_size)."""
+    from jaxserve.kv.memory import parse_size as parse
+
+    try:
+        return parse(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _ints(s: str) -> list[int]:
@@ -56,8 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c = sub.add_parser("capacity", help="decode tok/s vs concurrency under a fixed KV byte budget (bf16 vs fp8 KV)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _common(c, "capacity")
-    c.add_argument("--kv-cache-memory", "--kv-budget", dest="kv_budget", type=parse_size, default=parse_size("6.5MB"),
-                   help="KV memory budget in bytes (48GiB-style sizes): each format's engine gets the pages it buys")
+    c.add_argument("--kv-cache-memory", "--kv-budget", dest="kv_budget", type=parse_size, default=None,
+                   help="KV memory budget in bytes (48GiB-style sizes): each format's engine gets the pages it buys "
+                        "(default: 6.5MB, or --memory-fraction of the free memory, read once before loading)")
     c.add_argument("--kv-formats", type=_list, default=["bf16", "fp8_e4m3"])
     c.add_argument("--levels", type=_ints, default=None,
                    help="concurrency levels (default: 1, 2, 4, ... until every format runs out of KV)")
@@ -67,6 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--reps", type=int, default=2, help="timed repeats per cell (after one untimed warm-up)")
     c.add_argument("--page-size", type=int, default=16)
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    add_format_args(c, skip=("--kv-cache-memory",))  # the KV formats are swept; the rest applies to each engine
     c.set_defaults(func=_run_capacity)
 
     w = sub.add_parser("weights", help="decode and prefill tok/s per weight representation (bf16/fp8/int4/phase-aware)",
@@ -84,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--page-size", type=int, default=16)
     w.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     w.add_argument("--baseline", default=None, help="config the ratios are taken against (default: float32 if run)")
-    w.add_argument("--matmul-backend", default="auto", choices=["auto", "cpu", "gpu", "interpret"])
+    add_format_args(w)  # weight formats are swept by --configs: only the backends and the KV budget apply
     w.set_defaults(func=_run_weights)
 
     q = sub.add_parser("quality", help="perplexity / KL / top-1 vs the float32 reference on pydoc text, with CIs",
@@ -109,6 +114,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--resume", action="store_true",
                    help="reuse the cached reference and merge into an existing NAME.json with the same settings")
     q.add_argument("--no-reference-check", action="store_true")
+    add_format_args(q, skip=SWEPT + ("--kv-cache-memory", "--memory-fraction"))  # pages are sized for the documents
     q.set_defaults(func=_run_quality)
 
 
@@ -131,13 +137,29 @@ def _print_files(result: dict) -> int:
     return 0
 
 
+def _engine_kw(args, swept: tuple[str, ...] = ()) -> dict:
+    """The shared engine flags of an experiment, refusing those its sweep sets itself."""
+    kw = {k: v for k, v in format_kwargs(args).items() if v not in (None, False)}
+    given = [f for f in swept if kw.get(f.lstrip("-").replace("-", "_"))]
+    if given:
+        raise ValueError(f"{args.experiment} sweeps the weight formats (--configs); drop {', '.join(given)}")
+    return kw
+
+
 def _run_capacity(args) -> int:
     from jaxserve.experiments import capacity
+    from jaxserve.kv.memory import kv_budget
 
     common.enable_compile_cache()
-    r = capacity.run(args.model, args.kv_budget, args.kv_formats, args.levels, args.max_concurrency, args.prompt_len,
+    kw = _engine_kw(args)
+    budget = args.kv_budget
+    if budget is None:
+        budget = kv_budget(None, kw.pop("memory_fraction", None)) or parse_size("6.5MB")
+    elif "memory_fraction" in kw:
+        raise ValueError("give --kv-cache-memory or --memory-fraction, not both")
+    r = capacity.run(args.model, budget, args.kv_formats, args.levels, args.max_concurrency, args.prompt_len,
                      args.max_tokens, args.reps, args.page_size, args.dtype, args.seed, args.out, args.name,
-                     not args.no_plots)
+                     not args.no_plots, engine_kw=kw)
     print(capacity.markdown(r))
     return _print_files(r)
 
@@ -148,7 +170,7 @@ def _run_weights(args) -> int:
     common.enable_compile_cache()
     r = weights.run(args.model, args.configs, args.levels, args.prompt_len, args.max_tokens, args.reps,
                     args.kv_format, args.page_size, args.dtype, args.seed, args.out, args.name, not args.no_plots,
-                    baseline=args.baseline, matmul_backend=args.matmul_backend)
+                    baseline=args.baseline, engine_kw=_engine_kw(args, SWEPT))
     print(weights.markdown(r))
     return _print_files(r)
 
@@ -160,7 +182,7 @@ def _run_quality(args) -> int:
     r = quality.run(args.model, args.configs, args.docs, args.prefix, args.cont, args.chunk, args.batch,
                     args.page_size, args.sample_prompts, args.seeds, args.sample_tokens, args.temperature, args.top_p,
                     args.n_boot, args.seed, args.resume, not args.no_reference_check, args.out, args.name,
-                    not args.no_plots)
+                    not args.no_plots, engine_kw=_engine_kw(args))
     print(quality.markdown(r))
     return _print_files(r)
 

@@ -237,7 +237,9 @@ def run(
     name: str = "quality",
     plots: bool = True,
     log=print,
+    engine_kw: dict | None = None,
 ) -> dict:
+    """engine_kw: further LLM arguments for every configuration (the matmul and attention backends)."""
     from jaxserve import LLM
 
     t_start = time.perf_counter()
@@ -256,7 +258,7 @@ def run(
         n_docs_pages = batch_size * (-(-N // page_size)) + 1
         return LLM(model, dtype="float32", kv_format=kv, num_pages=n_docs_pages, page_size=page_size,
                    prefill_weights=pre, decode_weights=dec, integrity_check=False, enable_prefix_caching=False,
-                   max_model_len=-(-N // page_size) * page_size, max_num_seqs=4)
+                   max_model_len=-(-N // page_size) * page_size, max_num_seqs=4, **(engine_kw or {}))
 
     batch_size = batch or max(min(docs, 32), sample_prompts * seeds)
     if sample_prompts * seeds > batch_size:

@@ -42,7 +42,7 @@ def parse_config(spec: str) -> tuple[str, str | None, str | None]:
 
 
 def build(model, name, prefill, decode, dtype, kv_format, num_pages, page_size, max_level, prompt_len, max_len,
-          matmul_backend="auto"):
+          matmul_backend="auto", engine_kw: dict | None = None):
     """-> (LLM, emulated_int4_prefill: bool)."""
     from jaxserve import LLM
 
@@ -51,6 +51,7 @@ def build(model, name, prefill, decode, dtype, kv_format, num_pages, page_size, 
               max_num_seqs=max_level, max_prefill_seqs=max_level, max_num_batched_tokens=max_level * prompt_len,
               prefill_chunk=max(prompt_len, 16), max_model_len=max_len, enable_prefix_caching=False,
               matmul_backend=matmul_backend)
+    kw.update(engine_kw or {})
     if emulate:  # the prefill program reads the decode copy (the engine's one-copy mode)
         if decode != prefill:
             raise ValueError(f"{name}: an int4 prefill reads the decode copy: the decode format must be {prefill}")
@@ -81,9 +82,11 @@ def run(
     log=print,
     baseline: str | None = None,
     matmul_backend: str = "auto",
+    engine_kw: dict | None = None,
 ) -> dict:
     """baseline: the configuration the ratios are taken against (default: float32 if run, else
-    the first one)."""
+    the first one). engine_kw: further LLM arguments for every configuration (backends, a KV
+    byte budget instead of the page count the levels need)."""
     from jaxserve.engine.sampling_params import SamplingParams
 
     t_start = time.perf_counter()
@@ -97,7 +100,7 @@ def run(
     for name_, pre, dec in parsed:
         log(f"[weights] loading {name_}: prefill {pre or 'as loaded'}, decode {dec or 'as loaded'}")
         llm, emulated = build(model, name_, pre, dec, dtype, kv_format, num_pages, page_size, max_level,
-                              prompt_len, per_req * page_size, matmul_backend)
+                              prompt_len, per_req * page_size, matmul_backend, engine_kw)
         llms[name_] = llm
         info[name_] = {"prefill_weights": pre or f"as loaded ({dtype})",
                        "decode_weights": dec or f"as loaded ({dtype})",
@@ -131,7 +134,7 @@ def run(
         "experiment": "weights", "meta": meta,
         "settings": {"configs": list(configs), "levels": levels, "prompt_len": prompt_len, "max_tokens": max_tokens,
                      "reps": reps, "kv_format": kv_format, "page_size": page_size, "dtype": dtype, "seed": seed,
-                     "baseline": baseline},
+                     "baseline": baseline, "engine": dict(engine_kw or {})},
         "configs": info, "runs": runs, "summary": summary,
     }
     result["files"] = write(result, Path(out_dir), name, plots)
