@@ -24,7 +24,7 @@ def add_format_args(p, skip: tuple[str, ...] = ()) -> None:
     add("--memory-fraction", type=float, default=None,
         help="KV pool = this fraction of the memory free after loading (GPU: device; CPU: available RAM)")
     add("--attention-backend", default=None, choices=["xla", "pallas", "pallas_interpret"],
-        help="decode attention (default: pallas on a GPU, else xla)")
+        help="attention over the paged cache, prefill and decode (default: pallas on a GPU, else xla)")
     add("--preset", default=None,
         help="a named configuration: article (fp8 KV, fp8 prefill, int4 decode) | cpu (bf16 prefill, int8 decode)")
 

@@ -105,7 +105,7 @@ class ModelRunner:
         if attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
         if attention_backend != "xla" and mesh is not None:
-            # The Pallas decode kernels run per device (shard_map over the query heads): the
+            # The Pallas attention kernels run per device (shard_map over the query heads): the
             # backend name carries the mesh down to the attention layers.
             attention_backend = on_mesh(attention_backend, mesh)
         self.attention_backend = attention_backend

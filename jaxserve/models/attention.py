@@ -3,7 +3,7 @@
 Every step attends to two key sets: the row's cached context, gathered from KV pages and
 dequantized (slots < cached_len), and the step's own new tokens in full precision (causal).
 Prefill (T = chunk) and decode (T = 1) are the same computation; the Pallas kernels in
-``pallas_kernels/`` implement the paged half for the hot decode path (``attention_pallas``).
+``pallas_kernels/`` implement the paged half for the GPU (``attention_pallas``: prefill and decode).
 
 The serving path (``gqa_attention_paged`` / ``mla_attention_paged``) reads the cached context
 in chunks of pages inside a loop whose trip count is the batch's longest cached context, with

@@ -16,7 +16,7 @@ from jaxserve.config import ConfigError, ModelConfig, parse_common, require
 from jaxserve.kv import paged
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.attention import mla_attention_paged
-from jaxserve.models.attention_pallas import backend_mesh, mla_decode_pallas
+from jaxserve.models.attention_pallas import backend_mesh, mla_attention_pallas
 from jaxserve.models.base import CausalLM, DecoderLayer, WeightSpec, keep, block_weights, skip_mtp_layers, t
 from jaxserve.models.layers import RMSNorm, apply_rope, param
 from jaxserve.quant.linear import head_columns, linear
@@ -61,8 +61,8 @@ class MLAttention(nnx.Module):
             self.kv_b, per_head,
             lambda w, h0, h1: jnp.einsum("bthn,rhn->bthr", q_nope[:, :, h0:h1], w[..., :nope]),
         ).astype(x.dtype)
-        if backend != "xla" and x.shape[1] == 1:  # decode: the paged half in the Pallas kernel
-            out_lat = mla_decode_pallas(
+        if backend != "xla":  # the cached context in the Pallas kernel (prefill and decode)
+            out_lat = mla_attention_pallas(
                 q_lat, q_rope, kv, fmt, lat, k_rope, step, cfg.softmax_scale, backend == "pallas_interpret",
                 mesh=backend_mesh(backend),
             )

@@ -14,7 +14,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.kv import paged
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.attention import gqa_attention_paged
-from jaxserve.models.attention_pallas import backend_mesh, gqa_decode_pallas
+from jaxserve.models.attention_pallas import backend_mesh, gqa_attention_pallas
 from jaxserve.models.base import WeightSpec, keep
 from jaxserve.models.layers import RMSNorm, apply_rope, param
 from jaxserve.quant.linear import linear
@@ -59,9 +59,9 @@ class GQAttention(nnx.Module):
         page, off = paged.token_slots(step.page_table, step.positions, step.valid, page_size, num_pages)
         kv = paged.store(fmt, kv, "k", k, page, off, headed=True)
         kv = paged.store(fmt, kv, "v", v, page, off, headed=True)
-        if backend != "xla" and x.shape[1] == 1:  # decode: the paged half in the Pallas kernel
-            out = gqa_decode_pallas(q, kv, fmt, k, v, step, cfg.softmax_scale, backend == "pallas_interpret",
-                                    mesh=backend_mesh(backend))
+        if backend != "xla":  # the cached context in the Pallas kernel (prefill and decode)
+            out = gqa_attention_pallas(q, kv, fmt, k, v, step, cfg.softmax_scale, backend == "pallas_interpret",
+                                       mesh=backend_mesh(backend))
         else:
             out = gqa_attention_paged(
                 q, kv, fmt, step.page_table, step.cached_lens, k, v, step.causal_mask(), cfg.softmax_scale, page_size

@@ -1,13 +1,13 @@
-"""The Pallas decode attention under a device mesh (shard_map over query heads).
+"""The Pallas attention (prefill and decode) under a device mesh (shard_map over query heads).
 
 On 8 virtual CPU devices the interpreted kernels must give what the XLA path gives, on 8
-devices and on 1: the same greedy tokens through the engine, and the same decode logits
-(teacher-forced, float32) within 1e-4. MLA: latent pools replicated, query heads split.
+devices and on 1: the same greedy tokens through the engine, and the same prefill and decode
+logits (teacher-forced, float32) within 1e-4. MLA: latent pools replicated, query heads split.
 GQA: KV heads split with the query heads when they divide (8 KV heads); else the pools are
 replicated and each device reads its query heads' KV head (2 KV heads), or, when a device's
 query heads straddle KV heads (24 heads over 6 KV heads: 3 a device, groups of 4), every
 device runs all heads. And the article
-preset's decode program on 8 devices lowers for CUDA with the Triton kernel calls.
+preset's prefill and decode programs on 8 devices lower for CUDA with the Triton kernel calls.
 """
 import contextlib
 import re
@@ -82,9 +82,10 @@ def test_pallas_interpret_on_mesh_matches_xla(checkpoints, model, kv_format):
     pal8 = LLM(path, kv_format=kv_format, attention_backend="pallas_interpret", num_devices=N, **KW)
     assert pal8.runner.attention_backend == "pallas_interpret"
 
-    # The decode program runs the kernel per device (a manual computation), not replicated XLA.
-    text = pal8.runner.lower("decode", 4).as_text()
-    assert "manual_computation" in text or "{manual}" in text
+    # Both programs run the kernel per device (a manual computation), not replicated XLA.
+    for phase in ("decode", "prefill"):
+        text = pal8.runner.lower(phase, 4, tokens=16 if phase == "prefill" else 1).as_text()
+        assert "manual_computation" in text or "{manual}" in text, phase
 
     ref, fed = decode_logits(xla1)
     for llm in (xla8, pal8):
@@ -122,7 +123,8 @@ def test_article_preset_decode_on_mesh_lowers_for_cuda(checkpoints, model, kerne
     assert re.search(rf'name = "{kernel}_\w+"', text), sorted(set(re.findall(r'name = "(\w+)"', text)))
     assert re.search(r'name = "int4_matmul_g32"', text)
     assert "manual_computation" in text or "{manual}" in text
-    # The prefill program (fp8 block-scaled weights, XLA chunked attention) lowers for CUDA too.
+    # The prefill program (fp8 block-scaled weights, the same attention kernel) lowers for CUDA too.
     with _target_gpu(N):
         prefill = llm.runner.lower("prefill", 4, tokens=16, platform="cuda").as_text()
     assert "f8E4M3FN" in prefill and "int4_matmul" not in prefill
+    assert re.search(rf'name = "{kernel}_\w+"', prefill) and "__gpu$xla.gpu.triton" in prefill
