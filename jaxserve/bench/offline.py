@@ -201,7 +201,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    g.add_argument("--kv-format", default="bf16", help="bf16 | fp8_e4m3 | float32")
+    g.add_argument("--kv-format", default=None,
+                   help="bf16 | fp8_e4m3 | float32 (default: what a converted checkpoint or --preset holds, else bf16)")
     g = p.add_argument_group("engine")
     g.add_argument("--num-pages", type=int, default=256)
     g.add_argument("--page-size", type=int, default=16)

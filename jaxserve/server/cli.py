@@ -28,7 +28,8 @@ def register_serve(sub) -> None:
                    help="seconds running requests get to finish on SIGTERM/SIGINT")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="activations and loaded weights (auto: bfloat16 on a GPU, float32 elsewhere)")
-    p.add_argument("--kv-format", default="bf16", help="bf16 | fp8_e4m3 | float32")
+    p.add_argument("--kv-format", default=None,
+                   help="bf16 | fp8_e4m3 | float32 (default: what a converted checkpoint or --preset holds, else bf16)")
     p.add_argument("--num-devices", type=int, default=1)
     p.add_argument("--num-pages", type=int, default=256)
     p.add_argument("--page-size", type=int, default=16)

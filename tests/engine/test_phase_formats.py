@@ -87,6 +87,14 @@ def test_preset_fills_what_is_not_given(tiny_ckpt):
               num_pages=8, page_size=8)
     assert llm.fmt.name == "bf16"
     assert llm.runner.weight_formats == {"prefill": "fp8:block128", "decode": "int8"}
+    # The command lines leave --kv-format unset by default, so --preset article gets its fp8 KV.
+    from jaxserve.cli import build_parser
+
+    for cmd in (["generate", "x"], ["serve"], ["bench"]):
+        args = build_parser().parse_args(cmd + ["--preset", "article"])
+        assert args.kv_format is None and args.prefill_weights is None, cmd
+    unset = LLM(tiny_ckpt, preset="article", kv_format=None, prefill_weights=None, num_pages=8, page_size=8)
+    assert unset.fmt.name == "fp8_e4m3" and unset.runner.weight_formats["prefill"] == "fp8:block128"
 
 
 def test_quantized_state_is_smaller():
