@@ -29,7 +29,7 @@ def main():
     import jax
 
     from jaxserve.engine.block_manager import BlockManager
-    from jaxserve.engine.page_tracker import NoOpTracker, PageTracker
+    from jaxserve.kv.page_tracker import NoOpTracker, PageTracker
     from jaxserve.kv.formats import get_kv_format
     from jaxserve.loader import load_model
     from jaxserve.runner import ModelRunner

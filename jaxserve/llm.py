@@ -15,7 +15,6 @@ from jaxserve.loader import load_model
 from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
 from jaxserve.engine.outputs import Completion, RequestOutput
 from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.runner import pad_batch
 from jaxserve.sharding import make_mesh
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -137,29 +136,10 @@ class LLM:
 
     # ------------------------------------------------------------------ API
     def logprobs(self, token_ids: Sequence[int]) -> np.ndarray:
-        """float32 [T, vocab]: row t is log p(next token | token_ids[: t + 1]), via paged prefill.
-
-        The pages come from the engine's block manager (never from under a cached prefix),
-        and are released afterwards.
-        """
+        """float32 [T, vocab]: row t is log p(next token | token_ids[: t + 1]), through the
+        engine's checked prefill program (``LLMEngine.prompt_logprobs``; only between requests)."""
         ids = self._to_ids(token_ids)
-        if not ids:
-            raise ValueError("empty prompt")
-        bad = [x for x in ids if not 0 <= x < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
-        if len(ids) > self.engine.max_model_len:
-            raise ValueError(f"{len(ids)} tokens exceed the maximum context of {self.engine.max_model_len}")
-        if self.engine.has_unfinished():
-            raise RuntimeError("logprobs() cannot run while requests are in flight")
-        bm, key = self.engine.bm, ("logprobs", id(ids))
-        alloc = bm.allocate_prompt(key, ids, use_prefix_cache=False)
-        try:
-            tokens, cached, new, table = pad_batch([(ids, 0, alloc.pages)])
-            logits = self.runner.run(tokens, cached, new, table, all_logits=True)
-            return np.asarray(jax.nn.log_softmax(logits[0, : len(ids)], axis=-1), np.float32)
-        finally:
-            bm.free(key)
+        return self.engine.prompt_logprobs(ids)
 
     def _params(self, prompts, sampling_params, kw) -> list[SamplingParams]:
         if sampling_params is None:
@@ -186,7 +166,8 @@ class LLM:
         except ValueError:
             for rid in rids:  # all or nothing: a bad prompt leaves nothing queued
                 self.engine.abort(rid)
-            self.engine.step() if self.engine.has_unfinished() else None
+            if self.engine.has_unfinished():
+                self.engine.step()  # hands back the abort outputs
             raise
         return rids
 

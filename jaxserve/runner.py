@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.engine.page_tracker import NoOpTracker, PageTracker, pad_updates
+from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, pad_updates
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.step import StepInput
 from jaxserve.quant.linear import describe, resolve_backend, use_backend
@@ -69,7 +69,7 @@ def pick_bucket(n: int, buckets: list[int]) -> int:
 
 @dataclasses.dataclass
 class StepResult:
-    logits: jax.Array  # f32 [B, V] at each row's last new token (padded rows included)
+    logits: jax.Array  # f32 [B, V] at each row's last new token (padded rows included); [B, T, V] all_logits
     ok: np.ndarray  # bool [B] integrity check per row
     cause: np.ndarray  # int32 [B] page_tracker cause codes
 
@@ -170,10 +170,12 @@ class ModelRunner:
 
         return forward
 
-    def _program(self, name: str):
-        """The checked serving program `name` ("prefill" | "decode"), jitted once."""
-        if name not in self._jitted:
-            forward, tracker = self._model_fn(False, name), self.tracker
+    def _program(self, name: str, all_logits: bool = False):
+        """The checked program `name` ("prefill" | "decode"), jitted once; with ``all_logits``
+        the scoring variant (logits at every position, not part of serving)."""
+        key = name + ("/all_logits" if all_logits else "")
+        if key not in self._jitted:
+            forward, tracker = self._model_fn(all_logits, name), self.tracker
 
             def step(params, kv, generation, inp: StepInput, expected, num_pages_used):
                 # The integrity check is its own batched op, before any attention read.
@@ -187,8 +189,8 @@ class ModelRunner:
                 logits, kv = forward(params, kv, safe)
                 return logits, kv, ok, cause
 
-            self._jitted[name] = jax.jit(step, donate_argnums=(1,))
-        return self._jitted[name]
+            self._jitted[key] = jax.jit(step, donate_argnums=(1,))
+        return self._jitted[key]
 
     def lower(self, phase: str, batch: int, tokens: int = 1, platform: str | None = None):
         """The serving program ``phase`` lowered for one bucket (batch rows x new tokens), for
@@ -220,9 +222,12 @@ class ModelRunner:
         p, c = pad_updates(pages, counts)
         self.generation = self._apply_updates_fn()(self.generation, jnp.asarray(p), jnp.asarray(c))
 
-    def step(self, phase: str, tokens, cached_lens, new_lens, page_table, expected, num_pages_used) -> StepResult:
-        """Run the checked `phase` program on padded numpy inputs; updates the KV pools."""
-        fn = self._program(phase)
+    def step(self, phase: str, tokens, cached_lens, new_lens, page_table, expected, num_pages_used,
+             all_logits: bool = False) -> StepResult:
+        """Run the checked `phase` program on padded numpy inputs; updates the KV pools. With
+        ``all_logits`` (scoring, never while serving) the logits are [B, T, V] and its
+        compilations are not serving compilations."""
+        fn = self._program(phase, all_logits)
         inp = StepInput(
             tokens=jnp.asarray(tokens, jnp.int32),
             cached_lens=jnp.asarray(cached_lens, jnp.int32),
@@ -234,7 +239,7 @@ class ModelRunner:
             self.phase_params[phase][0], self.kv, self.generation, inp,
             jnp.asarray(expected, jnp.int32), jnp.asarray(num_pages_used, jnp.int32),
         )
-        if self.warm and fn._cache_size() != before:
+        if self.warm and not all_logits and fn._cache_size() != before:
             self.compiles_after_warmup += 1
             if self.strict:
                 raise RecompilationError(
@@ -282,22 +287,3 @@ class ModelRunner:
                 size *= 2
         self.warm = True
 
-
-def pad_batch(rows: list[tuple[list[int], int, list[int]]], t_min: int = 1):
-    """rows: (new token ids, cached len, page list) -> padded numpy arrays in buckets.
-
-    -> tokens [B, T], cached_lens [B], new_lens [B], page_table [B, M] (padding = page 0).
-    """
-    b = bucket(len(rows))
-    t = bucket(max(len(r[0]) for r in rows), t_min)
-    m = bucket(max(len(r[2]) for r in rows))
-    tokens = np.zeros((b, t), np.int32)
-    cached = np.zeros((b,), np.int32)
-    new = np.zeros((b,), np.int32)
-    table = np.zeros((b, m), np.int32)
-    for i, (toks, c, pages) in enumerate(rows):
-        tokens[i, : len(toks)] = toks
-        cached[i] = c
-        new[i] = len(toks)
-        table[i, : len(pages)] = pages
-    return tokens, cached, new, table

@@ -63,8 +63,8 @@ def test_poisson_arrivals_and_preemption_lose_nothing(tiny_llama):
     res = run_workload(llm, work, dict(temperature=0.0), progress=False)
     assert res["completion_tokens"] == sum(r.max_tokens for r in work)
     assert res["num_requests"] == 8 and res["peak_kv_pages"] <= 13
-    assert res["preemptions"] == sum(s.num_preemptions for s in llm.engine.seqs.values())
-    assert llm.engine.bm.num_used_pages == 0 and "schedule" not in vars(llm.engine.scheduler)
+    assert res["preemptions"] == llm.engine.snapshot().preemptions
+    assert llm.engine.snapshot().kv_pages_used == 0
 
 
 def test_workload_is_fixed_by_its_seed():

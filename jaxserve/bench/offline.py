@@ -31,31 +31,26 @@ from jaxserve.cli_args import add_format_args, format_kwargs
 @dataclasses.dataclass
 class _Record:
     submit: float
-    seq: object  # the engine's Sequence (kept: the engine forgets old finished requests)
     token_times: list[float] = dataclasses.field(default_factory=list)
     finish: float | None = None
     completion: object = None
 
 
-def _instrument_schedule(engine, probe: dict):
-    """Wrap this engine's scheduler.schedule (on the instance) to record, per step, the KV
-    pages in use right after scheduling (the step's peak: pages are only allocated there)
-    and the decode / prefill work scheduled. Returns a function that removes the wrapper."""
-    sched = engine.scheduler
-    original = sched.schedule
+def _observe(engine, probe: dict):
+    """A step observer recording, per program call, the KV pages in use (the step's peak:
+    pages are allocated when a step is scheduled and freed after its programs ran) and the
+    decode / prefill work. Returns the function that removes it."""
 
-    def schedule():
-        out = original()
-        probe["peak_pages"] = max(probe["peak_pages"], engine.bm.num_used_pages)
-        probe["steps"] += 1
-        probe["decode_rows"] += len(out.decode)
-        probe["decode_steps"] += bool(out.decode)
-        probe["prefill_tokens"] += sum(c.num_tokens for c in out.prefill)
-        probe["prefill_steps"] += bool(out.prefill)
-        return out
+    def seen(rec) -> None:
+        probe["peak_pages"] = max(probe["peak_pages"], engine.snapshot().kv_pages_used)
+        if rec.phase == "decode":
+            probe["decode_rows"] += rec.rows
+            probe["decode_steps"] += 1
+        else:
+            probe["prefill_tokens"] += rec.new_tokens
+            probe["prefill_steps"] += 1
 
-    sched.schedule = schedule
-    return lambda: sched.__dict__.pop("schedule", None)
+    return engine.add_step_observer(seen)
 
 
 def run_workload(llm, workload: list[BenchRequest], sampling: dict, progress: bool = True) -> dict:
@@ -70,9 +65,10 @@ def run_workload(llm, workload: list[BenchRequest], sampling: dict, progress: bo
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
     params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, **sampling) for r in workload]
     records: dict[str, _Record] = {}
-    probe = dict(peak_pages=engine.bm.num_used_pages, steps=0, decode_rows=0, decode_steps=0,
+    start = engine.snapshot()
+    probe = dict(peak_pages=start.kv_pages_used, steps=0, decode_rows=0, decode_steps=0,
                  prefill_tokens=0, prefill_steps=0)
-    restore = _instrument_schedule(engine, probe)
+    restore = _observe(engine, probe)
     bar = tqdm(total=len(workload), desc="requests", unit="req", disable=not progress, file=sys.stderr,
                dynamic_ncols=True)
     done = 0
@@ -85,12 +81,13 @@ def run_workload(llm, workload: list[BenchRequest], sampling: dict, progress: bo
                 while nxt < len(order) and workload[order[nxt]].arrival <= now - t0:
                     i = order[nxt]
                     rid = engine.add_request(workload[i].prompt_ids, params[i])
-                    records[rid] = _Record(submit=time.perf_counter(), seq=engine.seqs[rid])
+                    records[rid] = _Record(submit=time.perf_counter())
                     nxt += 1
                 if not engine.has_unfinished():  # idle until the next arrival
                     time.sleep(max(0.0, workload[order[nxt]].arrival - (time.perf_counter() - t0)))
                     continue
                 outs = engine.step()
+                probe["steps"] += 1
                 t = time.perf_counter()
                 for out in outs:
                     rec = records.get(out.request_id)
@@ -105,11 +102,11 @@ def run_workload(llm, workload: list[BenchRequest], sampling: dict, progress: bo
     finally:
         restore()
         bar.close()
-    seqs = [rec.seq for rec in records.values()]
-    return _report(llm, workload, records, seqs, probe, t0, t_end, compiles)
+    probe["preemptions"] = engine.snapshot().preemptions - start.preemptions
+    return _report(llm, workload, records, probe, t0, t_end, compiles)
 
 
-def _report(llm, workload, records, seqs, probe, t0, t_end, compiles) -> dict:
+def _report(llm, workload, records, probe, t0, t_end, compiles) -> dict:
     wall = t_end - t0
     ttft, itl, tpot, e2e = [], [], [], []
     prompt_tokens = completion_tokens = cached_tokens = 0
@@ -145,7 +142,7 @@ def _report(llm, workload, records, seqs, probe, t0, t_end, compiles) -> dict:
         peak_kv_pages=probe["peak_pages"],
         kv_pages_total=usable_pages,
         peak_kv_fraction=probe["peak_pages"] / usable_pages,
-        preemptions=sum(s.num_preemptions for s in seqs),
+        preemptions=probe["preemptions"],
         finish_reasons=reasons,
         steps=probe["steps"],
         prefill_steps=probe["prefill_steps"],

@@ -42,8 +42,13 @@ class EngineConfig:
     # of the memory free after loading (GPU: device limit minus use; CPU: available RAM).
     kv_cache_memory: int | str | None = None
     memory_fraction: float | None = None
+    # Finished requests the engine keeps answering `completion(id)` for (a server needs none:
+    # each request's last output carries its completion).
+    keep_finished: int = 1024
 
     def __post_init__(self):
+        if self.keep_finished < 0:
+            raise ValueError("keep_finished must be >= 0")
         if self.num_pages < 2:
             raise ValueError("num_pages must be >= 2 (page 0 is the reserved null page)")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

@@ -1,43 +1,75 @@
 """The engine: requests in, token deltas out, one ``step()`` at a time.
 
+Public interface (what the server, ``LLM``, benchmarks and experiments use): ``add_request``,
+``abort``, ``step``, ``has_unfinished``, ``snapshot`` (queue, pages, integrity and compile
+counts), ``add_step_observer`` (a callback per program call, for measurement),
+``prompt_logprobs`` (scoring through the checked prefill program), ``warmup`` and
+``memory_report``.
+
 Each step: the scheduler picks a prefill batch and a decode batch; the block manager's
 generation bumps are applied on device; the prefill program and then the decode program
 run (each checks every row's pages first); rows that fail the check are aborted with an
-``IntegrityError`` and emit nothing; sampled tokens are appended, stop conditions checked
-and text detokenized incrementally.
+``IntegrityError`` and emit nothing; sampled tokens go to the output processor, which
+detokenizes, checks stop conditions and builds the outputs.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import time
-from typing import Iterable
+from typing import Callable
 
 import jax
 import numpy as np
 
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.outputs import Completion, RequestOutput, Timing, Usage
-from jaxserve.engine.page_tracker import NoOpTracker, PageTracker, TrackerStats, integrity_errors
+from jaxserve.engine.input_batch import InputBatch
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.outputs import Completion, RequestOutput
 from jaxserve.engine.sampler import sample_rows
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence
 from jaxserve.kv import memory as kv_memory
+from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, TrackerStats, integrity_errors
 from jaxserve.runner import ModelRunner, bucket, pick_bucket, pow2_buckets, token_buckets
 
 
 def default_attention_backend() -> str:
-    import jax
-
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
-class LLMEngine:
-    KEEP_FINISHED = 1024  # finished requests kept in `seqs` for inspection
+@dataclasses.dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine between steps: queue, KV pages, integrity checks and compilations."""
 
+    waiting: int  # queued, not yet admitted
+    running: int  # admitted (holding pages)
+    kv_pages_total: int  # usable pages (the null page excluded)
+    kv_pages_used: int
+    kv_pages_free: int  # free or evictable (prefix cache)
+    integrity_checks: int
+    integrity_rows: int
+    integrity_mismatches: dict  # cause -> rows
+    compiles_after_warmup: int
+    preemptions: int  # since start
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One program call, as a step observer sees it."""
+
+    phase: str  # "prefill" | "decode"
+    rows: int  # real rows (requests) in the call
+    new_tokens: int  # real new tokens
+    batch: int  # padded rows (the compiled bucket)
+    tokens: int  # padded tokens per row
+    running: int  # requests holding pages at the time
+    seconds: float  # wall time of the call, results on the host
+
+
+class LLMEngine:
     def __init__(self, model, config: EngineConfig, fmt, tokenizer=None, mesh=None):
         page_bytes = kv_memory.format_token_bytes(fmt, *kv_memory.model_token_layout(model, fmt)) * config.page_size
         budget = kv_memory.kv_budget(config.kv_cache_memory, config.memory_fraction)
@@ -47,30 +79,29 @@ class LLMEngine:
         self.config = config
         self.cfg = model.cfg
         self.tokenizer = tokenizer
-        pool_tokens = (config.num_pages - 1) * config.page_size
+        self.pool_tokens = (config.num_pages - 1) * config.page_size
         self.max_model_len = min(config.max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
-        self.max_pages_per_seq = -(-self.max_model_len // config.page_size)
         self.bm = BlockManager(config.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.bm)
         tracker = PageTracker() if config.integrity_check else NoOpTracker()
         self.runner = ModelRunner(
-            model, fmt, config.num_pages, config.page_size, mesh, tracker, max_pages_per_seq=self.max_pages_per_seq,
+            model, fmt, config.num_pages, config.page_size, mesh, tracker,
+            max_pages_per_seq=-(-self.max_model_len // config.page_size),
             prefill_weights=config.prefill_weights, decode_weights=config.decode_weights,
             attention_backend=config.attention_backend or default_attention_backend(),
             matmul_backend=config.matmul_backend, quantize_tied_head=config.quantize_tied_head,
             prefill_from_decode_weights=config.prefill_from_decode_weights,
         )
-        self.pool_tokens = pool_tokens
         # Prefill programs: rows in powers of two, tokens in token_buckets (compiled at warm-up).
         self.prefill_token_buckets = token_buckets(16, min(config.prefill_chunk, config.max_num_batched_tokens))
         self.stats = TrackerStats()
-        self.seqs: dict[str, Sequence] = {}
+        eos = set(self.cfg.eos_token_id) | set(tokenizer.eos_token_ids if tokenizer is not None else [])
+        self.eos_token_ids = frozenset(eos)
+        self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len, config.keep_finished)
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
         self._just_finished: list[Sequence] = []
-        self._finished_order: collections.deque[str] = collections.deque()
-        eos = set(self.cfg.eos_token_id) | set(tokenizer.eos_token_ids if tokenizer is not None else [])
-        self.eos_token_ids = frozenset(eos)
+        self._observers: list[Callable[[StepRecord], None]] = []
 
     def memory_report(self) -> dict:
         """What the engine holds: weight bytes per phase (and resident: shared arrays once), the
@@ -87,47 +118,75 @@ class LLMEngine:
             "max_cached_tokens": usable * self.config.page_size,
         }
 
+    def snapshot(self) -> EngineSnapshot:
+        st, bm = self.stats, self.bm
+        return EngineSnapshot(
+            waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
+            kv_pages_total=bm.num_pages - 1, kv_pages_used=bm.num_used_pages, kv_pages_free=bm.num_free_pages,
+            integrity_checks=st.checks_run, integrity_rows=st.rows_checked,
+            integrity_mismatches=dict(st.mismatches_by_cause), compiles_after_warmup=self.runner.compiles_after_warmup,
+            preemptions=self.scheduler.num_preemptions,
+        )
+
+    def add_step_observer(self, fn: Callable[[StepRecord], None]) -> Callable[[], None]:
+        """Call ``fn(StepRecord)`` after every program call; returns a function that removes it."""
+        self._observers.append(fn)
+        return lambda: self._observers.remove(fn)
+
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids, params: SamplingParams, request_id: str | None = None) -> str:
         """Validate and queue a request; returns its id. Bad input raises ValueError."""
+        ids = self._check_prompt(prompt_ids, params.max_tokens)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        old = self.outputs.get(rid)
+        if old is not None and not old.finished:
+            raise ValueError(f"request id {rid!r} is already running")
+        # Any integer seed works: it is folded into the 31-bit range the PRNG key takes.
+        seed = params.seed % 2**31 if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
+        seq = Sequence(rid, ids, params, seed)
+        self.outputs.add(seq)
+        self.scheduler.add(seq)
+        return rid
+
+    def _check_prompt(self, prompt_ids, max_tokens: int) -> list[int]:
         ids = [int(t) for t in prompt_ids]
         if not ids:
             raise ValueError("empty prompt")
         bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
-        total = len(ids) + params.max_tokens
+        total = len(ids) + max_tokens
         if total > self.max_model_len:
             raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
                 f"maximum context of {self.max_model_len} tokens"
             )
         if total > self.pool_tokens:
             raise ValueError(f"prompt + max_tokens = {total} tokens exceeds the whole KV pool ({self.pool_tokens})")
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self.seqs and not self.seqs[rid].finished:
-            raise ValueError(f"request id {rid!r} is already running")
-        # Any integer seed works: it is folded into the 31-bit range the PRNG key takes.
-        seed = params.seed % 2**31 if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
-        seq = Sequence(rid, ids, params, seed)
-        if self.tokenizer is not None:
-            from jaxserve.tokenizer import IncrementalDetokenizer
-
-            seq.detok = IncrementalDetokenizer(self.tokenizer)
-        self.seqs[rid] = seq
-        self.scheduler.add(seq)
-        return rid
+        return ids
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its pages. False if unknown or already finished."""
-        seq = self.seqs.get(request_id)
+        """Stop a request now and free its pages; its final output (finish_reason "abort") comes
+        from the next ``step()``. False if unknown or already finished."""
+        seq = self.outputs.get(request_id)
         if seq is None or seq.finished:
             return False
         self._finish(seq, "abort")
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        """Requests queued or running, or final outputs not yet returned by ``step()``."""
+        return self.scheduler.num_unfinished > 0 or bool(self._just_finished)
+
+    def get_request(self, request_id: str) -> Sequence | None:
+        """The engine's record of a request (unfinished, or among the last ``keep_finished``
+        finished ones): for inspection and fault-injection tests; not for changing it."""
+        return self.outputs.get(request_id)
+
+    def completion(self, request_id: str) -> Completion | None:
+        """The request's completion so far (finished ones are kept for ``keep_finished`` more)."""
+        seq = self.outputs.get(request_id)
+        return self.outputs.completion(seq) if seq is not None else None
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
@@ -159,41 +218,64 @@ class LLMEngine:
                     self.bm.commit_full_pages(s.request_id, s.all_ids[: s.num_computed])
                     to_sample.append((i, s))
             self._sample(res.logits, to_sample, events)
-        outs = [self._output(self.seqs[rid], ids) for rid, ids in events.items()]
-        # Requests that finished this step without a new token (aborted, failed check).
-        outs += [self._output(s, []) for s in self._just_finished if s.request_id not in events]
+        return self._collect(events, sched)
+
+    def _collect(self, events, sched) -> list[RequestOutput]:
+        """Outputs of this step: sampled tokens, finished requests, and admissions (the first
+        output of each request says started=True, with or without tokens)."""
+        seqs = {rid: self.outputs.get(rid) for rid in events}
+        seqs.update((s.request_id, s) for s in self._just_finished)
+        seqs.update((c.seq.request_id, c.seq) for c in sched.prefill)
         self._just_finished = []
+        outs = []
+        for rid, s in seqs.items():
+            started = not s.started and (s.admitted or s.finished)
+            s.started = s.started or started
+            if started or events.get(rid) or s.finished:
+                outs.append(self.outputs.output(s, events.get(rid, []), started=started))
         return outs
 
-    def _run(self, phase, rows, b, t):
-        """rows: (seq, new token ids, start position) -> runner step; aborts failing rows."""
-        m = self.runner.max_pages_per_seq  # the width warm-up compiled (a power of two)
-        s = self.config.page_size
-        tokens = np.zeros((b, t), np.int32)
-        cached = np.zeros((b,), np.int32)
-        new = np.zeros((b,), np.int32)
-        table = np.zeros((b, m), np.int32)
-        expected = np.zeros((b, m), np.int32)
-        used = np.zeros((b,), np.int32)
-        for i, (seq, toks, start) in enumerate(rows):
-            n = len(seq.pages)
-            if n > m:
-                raise AssertionError(f"{seq.request_id} maps {n} pages > {m} per sequence")
-            tokens[i, : len(toks)] = toks
-            cached[i], new[i] = start, len(toks)
-            table[i, :n], expected[i, :n] = seq.pages, seq.expected
-            used[i] = -(-(start + len(toks)) // s)
-        res = self.runner.step(phase, tokens, cached, new, table, expected, used)
+    def _run(self, phase, rows, b, t, all_logits: bool = False):
+        """rows: (seq, new token ids, start position) -> the checked program; aborts failing rows."""
+        batch = InputBatch.build([(toks, start, seq.pages, seq.expected) for seq, toks, start in rows], b, t,
+                                 self.runner.max_pages_per_seq, self.config.page_size)
+        t0 = time.perf_counter()
+        res = self.runner.step(phase, batch.tokens, batch.cached_lens, batch.new_lens, batch.page_table,
+                               batch.expected, batch.pages_used, all_logits=all_logits)
+        if self._observers:
+            rec = StepRecord(phase, len(rows), int(batch.new_lens.sum()), b, t, len(self.scheduler.running),
+                             time.perf_counter() - t0)
+            for fn in list(self._observers):
+                fn(rec)
         self.stats.record(res.ok, res.cause, len(rows))
         for err in integrity_errors([r[0].request_id for r in rows], res.ok, res.cause):
-            self._finish(self.seqs[err.request_id], "abort", err)
+            self._finish(self.outputs.get(err.request_id), "abort", err)
         return res
+
+    def prompt_logprobs(self, token_ids) -> np.ndarray:
+        """float32 [T, vocab]: row t is log p(next token | token_ids[: t + 1]), through the
+        checked prefill program (one chunk; pages from the block manager, never from under a
+        cached prefix, released afterwards). Only between requests."""
+        if self.has_unfinished():
+            raise RuntimeError("prompt_logprobs() cannot run while requests are in flight")
+        ids = self._check_prompt(token_ids, 0)
+        key = ("logprobs", next(self._ids))
+        alloc = self.bm.allocate_prompt(key, ids, use_prefix_cache=False)
+        try:
+            self.runner.apply_generation_updates(*self.bm.take_generation_updates())
+            seq = Sequence(str(key), ids, SamplingParams(), 0, pages=list(alloc.pages),
+                           expected=self.bm.expected_generations(key))
+            res = self._run("prefill", [(seq, ids, 0)], 1, bucket(len(ids), 16), all_logits=True)
+            if not res.ok[0]:
+                raise RuntimeError("the integrity check failed for the scoring pages")
+            return np.asarray(jax.nn.log_softmax(res.logits[0, : len(ids)], axis=-1), np.float32)
+        finally:
+            self.bm.free(key)
 
     def _sample(self, logits, rows: list[tuple[int, Sequence]], events) -> None:
         if not rows:
             return
         b = bucket(len(rows))
-        v = self.cfg.vocab_size
         idx = np.zeros((b,), np.int32)
         temp, top_p, min_p = np.zeros(b, np.float32), np.ones(b, np.float32), np.zeros(b, np.float32)
         top_k, seeds, steps = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
@@ -203,17 +285,7 @@ class LLMEngine:
             temp[j], top_p[j], min_p[j], top_k[j] = p.temperature, p.top_p, p.min_p, p.top_k
             seeds[j], steps[j] = s.seed, len(s.output_ids)
         penalties = any(s.params.uses_penalties for _, s in rows)
-        extra = {}
-        if penalties:
-            counts = np.zeros((b, v), np.int32)
-            seen = np.zeros((b, v), bool)
-            rep, pres, freq = np.ones(b, np.float32), np.zeros(b, np.float32), np.zeros(b, np.float32)
-            for j, (_, s) in enumerate(rows):
-                np.add.at(counts[j], s.output_ids, 1)
-                seen[j, s.prompt_ids] = True
-                seen[j, s.output_ids] = True
-                rep[j], pres[j], freq[j] = s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty
-            extra = dict(counts=counts, seen=seen, repetition=rep, presence=pres, frequency=freq)
+        extra = self._penalty_inputs(rows, b) if penalties else {}
         n_lp = max((s.params.logprobs or 0) for _, s in rows)
         n_lp = 0 if n_lp == 0 and all(s.params.logprobs is None for _, s in rows) else bucket(max(n_lp, 1))
         tokens, lp, top_ids, top_lp = sample_rows(
@@ -225,75 +297,30 @@ class LLMEngine:
         for j, (_, s) in enumerate(rows):
             if s.finished:
                 continue
-            tok = int(tokens[j])
-            s.output_ids.append(tok)
-            s.token_times.append(now)
-            if s.first_token_time is None:
-                s.first_token_time = now
-            if s.params.logprobs is not None:
-                n = s.params.logprobs
-                s.logprobs.append((float(lp[j]), {int(a): float(c) for a, c in zip(top_ids[j, :n], top_lp[j, :n])}))
-            piece = s.detok.push(tok) if s.detok is not None else ""
-            s.text += piece
+            tok, n = int(tokens[j]), s.params.logprobs or 0
+            top = {int(a): float(c) for a, c in zip(top_ids[j, :n], top_lp[j, :n])} if n_lp else None
             events.setdefault(s.request_id, []).append(tok)
-            self._check_stop(s, tok)
+            reason = self.outputs.append(s, tok, float(lp[j]), top, now)
+            if reason is not None:
+                self._finish(s, reason)
 
-    def _check_stop(self, s: Sequence, tok: int) -> None:
-        p = s.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
-            return self._finish(s, "stop")
-        for stop in p.stop:
-            at = s.text.find(stop)
-            if at >= 0:
-                s.text = s.text[:at]
-                return self._finish(s, "stop")
-        if len(s.output_ids) >= p.max_tokens or s.total_len >= self.max_model_len:
-            return self._finish(s, "length")
+    def _penalty_inputs(self, rows, b: int) -> dict:
+        v = self.cfg.vocab_size
+        counts, seen = np.zeros((b, v), np.int32), np.zeros((b, v), bool)
+        rep, pres, freq = np.ones(b, np.float32), np.zeros(b, np.float32), np.zeros(b, np.float32)
+        for j, (_, s) in enumerate(rows):
+            np.add.at(counts[j], s.output_ids, 1)
+            seen[j, s.prompt_ids] = True
+            seen[j, s.output_ids] = True
+            rep[j], pres[j], freq[j] = s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty
+        return dict(counts=counts, seen=seen, repetition=rep, presence=pres, frequency=freq)
 
     def _finish(self, s: Sequence, reason: str, error: Exception | None = None) -> None:
         if s.finished:
             return
-        if reason != "stop" or not s.params.stop:  # a stop string already cut the text
-            if s.detok is not None and reason != "abort":
-                s.text += s.detok.flush()
         self.scheduler.finish(s, reason, error)
-        s.finish_time = time.perf_counter()
+        self.outputs.finished(s, reason)
         self._just_finished.append(s)
-        # Keep the most recent finished requests inspectable; forget older ones (a long-running
-        # server must not grow without bound).
-        self._finished_order.append(s.request_id)
-        while len(self._finished_order) > self.KEEP_FINISHED:
-            old = self._finished_order.popleft()
-            if old in self.seqs and self.seqs[old].finished:
-                del self.seqs[old]
-
-    def _output(self, s: Sequence, new_ids: list[int]) -> RequestOutput:
-        # Hold back text that could be the start of a stop string until it is decided.
-        hold = 0 if s.finished or not s.params.stop else max(len(x) for x in s.params.stop) - 1
-        end = max(s.emitted_text, len(s.text) - hold)
-        delta = s.text[s.emitted_text : end]
-        s.emitted_text = end
-        return RequestOutput(
-            s.request_id, list(new_ids), delta, s.finished, s.finish_reason, s.error,
-            self.completion(s) if s.finished else None,
-        )
-
-    def completion(self, s: Sequence) -> Completion:
-        end = s.finish_time or time.perf_counter()
-        return Completion(
-            list(s.output_ids),
-            s.text if s.detok is not None else None,
-            s.finish_reason,
-            list(s.prompt_ids),
-            usage=Usage(len(s.prompt_ids), len(s.output_ids), s.num_cached_tokens),
-            timing=Timing(
-                s.first_token_time - s.arrival_time if s.first_token_time is not None else None,
-                end - s.arrival_time,
-            ),
-            logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
-            request_id=s.request_id,
-            error=s.error,
-        )
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self) -> None:
@@ -302,10 +329,8 @@ class LLMEngine:
         logprob variants compile on first use)."""
         c = self.config
         decode = pow2_buckets(1, c.max_num_seqs)
-        prefill_t = self.prefill_token_buckets
         prefill_b = pow2_buckets(1, c.max_prefill_seqs)
-        prefill = [(b, t) for b in prefill_b for t in prefill_t]
-        self.runner.warmup(decode, prefill)
+        self.runner.warmup(decode, [(b, t) for b in prefill_b for t in self.prefill_token_buckets])
         v = self.cfg.vocab_size
         for rows in sorted(set(decode) | set(prefill_b)):
             for n in pow2_buckets(1, rows):
@@ -314,6 +339,12 @@ class LLMEngine:
                     sample_rows(np.zeros((rows, v), np.float32), i32, f32, i32, np.ones(n, np.float32), f32, i32, i32,
                                 all_greedy=greedy, penalties=False, num_logprobs=0)
 
-    def run_until_done(self, request_ids: Iterable[str] | None = None) -> None:
+    def mark_warm(self) -> None:
+        """Count every later compilation of a serving program (after a warm-up of one's own
+        that compiled only the shapes a run needs; ``warmup()`` marks it itself)."""
+        self.runner.warm = True
+
+    def run_until_done(self) -> None:
+        """Step until every request has finished (their outputs are dropped)."""
         while self.has_unfinished():
             self.step()

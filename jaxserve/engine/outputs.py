@@ -28,6 +28,11 @@ class RequestOutput:
     finish_reason: str | None = None
     error: Exception | None = None
     completion: "Completion | None" = None  # set when finished
+    # The first output of a request (emitted when the scheduler admits it, tokens or not) has
+    # started=True; prompt and prefix-cache figures are known from then on.
+    started: bool = False
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class Completion(list):

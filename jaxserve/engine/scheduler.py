@@ -50,7 +50,6 @@ class ScheduledChunk:
 class SchedulerOutput:
     prefill: list[ScheduledChunk]
     decode: list[Sequence]
-    preempted: list[Sequence]
 
 
 class Scheduler:
@@ -59,6 +58,7 @@ class Scheduler:
         self.bm = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, in admission order
+        self.num_preemptions = 0  # since start
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -68,13 +68,12 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def schedule(self) -> SchedulerOutput:
-        preempted: list[Sequence] = []
-        decode = self._schedule_decode(preempted)
+        decode = self._schedule_decode()
         prefill = self._schedule_prefill()
-        return SchedulerOutput(prefill, decode, preempted)
+        return SchedulerOutput(prefill, decode)
 
     # ------------------------------------------------------------------ decode
-    def _schedule_decode(self, preempted: list[Sequence]) -> list[Sequence]:
+    def _schedule_decode(self) -> list[Sequence]:
         batch: list[Sequence] = []
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or seq.in_prefill:
@@ -94,7 +93,6 @@ class Scheduler:
                 except NoFreePagesError:
                     victim = self._newest_running()
                     self.preempt(victim)
-                    preempted.append(victim)
                     if victim is seq:
                         break
             if seq.status is not Status.RUNNING:
@@ -159,6 +157,7 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_computed = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 

@@ -33,10 +33,11 @@ class Sequence:
     error: Exception | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    token_times: list[float] = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)  # per output token: (logprob, {id: logprob})
     text: str = ""  # detokenized output (stop strings cut off)
     emitted_text: int = 0  # characters of `text` already streamed
+    stopped_by_string: bool = False  # a stop string cut `text` (nothing more to flush)
+    started: bool = False  # the output that reports its admission has been emitted
     detok: object = None  # IncrementalDetokenizer when the model has a tokenizer
 
     @property

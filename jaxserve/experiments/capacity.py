@@ -103,7 +103,7 @@ def run(
         for fmt in active:
             t = time.perf_counter()
             common.run_requests(llms[fmt], prompts, params)
-            llms[fmt].runner.warm = True
+            llms[fmt].engine.mark_warm()
             log(f"[capacity] c={c} {fmt}: warm-up {time.perf_counter() - t:.1f}s")
         for rep in range(reps):
             order = active if rep % 2 == 0 else active[::-1]

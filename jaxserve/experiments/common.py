@@ -250,63 +250,56 @@ class RunMeasure:
 
 def run_requests(llm, prompts: list[list[int]], params) -> RunMeasure:
     """Submit every prompt at once and step the engine until all finish, timing each step and
-    attributing it by the programs it ran: decode-only, prefill-only or mixed.
-
-    The runner's ``step`` is wrapped on this instance only (to see which phase ran with how
-    many real rows and how many sequences were running); it is restored afterwards.
-    """
-    engine, runner = llm.engine, llm.runner
+    attributing it by the programs it ran (seen through a step observer): decode-only,
+    prefill-only or mixed."""
+    engine = llm.engine
     if engine.has_unfinished():
         raise RuntimeError("the engine has requests in flight")
-    calls: list[tuple[str, int, int, int]] = []
-    orig = runner.step
-
-    def step(phase, tokens, cached_lens, new_lens, page_table, expected, num_pages_used):
-        new = np.asarray(new_lens)
-        # (phase, real rows, new tokens, sequences running while this program runs)
-        calls.append((phase, int((new > 0).sum()), int(new.sum()), len(engine.scheduler.running)))
-        return orig(phase, tokens, cached_lens, new_lens, page_table, expected, num_pages_used)
-
+    calls = []  # this step's StepRecords
     m = RunMeasure(requests=len(prompts))
-    compiles0 = runner.compiles_after_warmup
+    before = engine.snapshot()
     decode_rows = []
-    runner.step = step
+    remove = engine.add_step_observer(calls.append)
     try:
-        rids = [engine.add_request(p, params) for p in prompts]
+        rids = {engine.add_request(p, params) for p in prompts}
         t0 = time.perf_counter()
         while engine.has_unfinished():
             calls.clear()
             ts = time.perf_counter()
-            engine.step()
-            dt = time.perf_counter() - ts
-            m.steps += 1
-            phases = {c[0] for c in calls}
-            dec = sum(c[1] for c in calls if c[0] == "decode")
-            pre = sum(c[2] for c in calls if c[0] == "prefill")
-            m.prefill_tokens += pre
-            if "decode" in phases:
-                decode_rows.append(dec)
-            if phases == {"decode"}:
-                m.decode_only_steps += 1
-                m.decode_only_s += dt
-                m.decode_only_tokens += dec
-                m.decode_step_rates.append(dec / dt)
-            elif phases == {"prefill"}:
-                m.prefill_only_steps += 1
-                m.prefill_only_s += dt
-                m.prefill_only_tokens += pre
-            elif phases:
-                m.mixed_steps += 1
-            m.max_running = max([m.max_running] + [c[3] for c in calls])
+            outs = engine.step()
+            _attribute(m, calls, time.perf_counter() - ts, decode_rows)
+            m.output_tokens += sum(len(o.new_token_ids) for o in outs if o.request_id in rids)
         m.wall_s = time.perf_counter() - t0
     finally:
-        del runner.step
-    seqs = [engine.seqs.pop(r) for r in rids]
-    m.output_tokens = sum(len(s.output_ids) for s in seqs)
-    m.preemptions = sum(s.num_preemptions for s in seqs)
+        remove()
+    after = engine.snapshot()
+    m.preemptions = after.preemptions - before.preemptions
     m.mean_running_decode = float(np.mean(decode_rows)) if decode_rows else 0.0
-    m.compiles = runner.compiles_after_warmup - compiles0
+    m.compiles = after.compiles_after_warmup - before.compiles_after_warmup
     return m
+
+
+def _attribute(m: RunMeasure, calls, dt: float, decode_rows: list) -> None:
+    """Count one engine step by the programs it ran."""
+    m.steps += 1
+    phases = {c.phase for c in calls}
+    dec = sum(c.rows for c in calls if c.phase == "decode")
+    pre = sum(c.new_tokens for c in calls if c.phase == "prefill")
+    m.prefill_tokens += pre
+    if "decode" in phases:
+        decode_rows.append(dec)
+    if phases == {"decode"}:
+        m.decode_only_steps += 1
+        m.decode_only_s += dt
+        m.decode_only_tokens += dec
+        m.decode_step_rates.append(dec / dt)
+    elif phases == {"prefill"}:
+        m.prefill_only_steps += 1
+        m.prefill_only_s += dt
+        m.prefill_only_tokens += pre
+    elif phases:
+        m.mixed_steps += 1
+    m.max_running = max([m.max_running] + [c.running for c in calls])
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

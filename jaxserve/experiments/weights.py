@@ -62,7 +62,8 @@ def build(model, name, prefill, decode, dtype, kv_format, num_pages, page_size, 
 
 
 def phase_bytes(llm) -> dict:
-    return {p: int(sum(x.nbytes for x in llm.runner.phase_params[p][0])) for p in ("prefill", "decode")}
+    w = llm.memory_report()["weight_bytes"]
+    return {p: w[p] for p in ("prefill", "decode")}
 
 
 def run(
@@ -116,7 +117,7 @@ def run(
         for n in names:  # compiles this level's shapes: prefill [c, prompt] and decode [c]
             t = time.perf_counter()
             common.run_requests(llms[n], prompts, warm)
-            llms[n].runner.warm = True
+            llms[n].engine.mark_warm()
             log(f"[weights] c={c} {n}: warm-up {time.perf_counter() - t:.1f}s")
         for rep in range(reps):
             order = names[rep % len(names):] + names[: rep % len(names)]  # rotate who goes first

@@ -62,6 +62,7 @@ def run_serve(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_seqs=args.max_prefill_seqs,
         prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, integrity_check=not args.no_integrity_check,
+        keep_finished=0,  # each request's last output carries its completion
         **format_kwargs(args),
     )
     return asyncio.run(_serve(args, llm))

@@ -16,6 +16,10 @@ even when its RPC has already gone away; the queue-depth accounting relies on it
 
 Engine request ids are internal and unique (``<client id>#<n>``), so a client may reuse its
 own id right after cancelling without ever receiving the old request's late events.
+
+The loop uses the engine's public interface only: add_request, abort, step (whose outputs
+say when a request is admitted, what it produced and how it ended), has_unfinished,
+snapshot and warmup.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import threading
 import time
 from typing import Callable
 
-from jaxserve.engine.outputs import Usage
+from jaxserve.engine.outputs import RequestOutput
 from jaxserve.server import errors
 
 log = logging.getLogger("jaxserve.server")
@@ -78,7 +82,8 @@ class EngineLoop:
         self._out: list = []  # engine thread only: events of this iteration
         self._stopped = False
         self.waiting = 0  # event loop only: submitted, not yet admitted
-        self.kv_pages = (engine.bm.num_pages - 1, 0, engine.bm.num_free_pages)  # total, used, free
+        snap = engine.snapshot()
+        self.kv_pages = (snap.kv_pages_total, snap.kv_pages_used, snap.kv_pages_free)  # total, used, free
         self.recent_duration_s = 1.0  # EWMA of request durations, for retry-after hints
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
 
@@ -161,9 +166,9 @@ class EngineLoop:
             self._post(self._deliver, batch)
 
     def _sync(self) -> None:
-        bm = self.engine.bm
-        self.kv_pages = (bm.num_pages - 1, bm.num_used_pages, bm.num_free_pages)  # one atomic store
-        self.metrics.sync_engine(self.engine)
+        snap = self.engine.snapshot()
+        self.kv_pages = (snap.kv_pages_total, snap.kv_pages_used, snap.kv_pages_free)  # one atomic store
+        self.metrics.sync_engine(snap)
 
     def _commands(self, block: bool) -> None:
         try:
@@ -195,10 +200,7 @@ class EngineLoop:
                 log.exception("abort(%s) failed", eid)
                 ok = False
                 fut.set_exception(e)
-            live = self._live.pop(eid, None)
-            if live is not None:  # its late step() output is ignored: the end is sent now
-                seq = self.engine.seqs[eid]
-                self._end(live, "abort", self.engine.completion(seq).usage, None)
+            # Its final output (finish_reason "abort", with usage) comes from the next step().
             if not fut.done():
                 fut.set_result(ok)
         elif kind == "call":
@@ -213,7 +215,6 @@ class EngineLoop:
             for eid, live in list(self._live.items()):
                 self.engine.abort(eid)
                 self._out.append((live.stream, ("error", shutting_down)))
-                self._forget(eid)
             self._live.clear()
 
     def _step(self) -> None:
@@ -228,15 +229,15 @@ class EngineLoop:
                 except Exception:
                     log.exception("abort(%s) after a failed step", eid)
                 self._out.append((live.stream, ("error", e)))
-                self._forget(eid)
             self._live.clear()
             return
         now = time.perf_counter()
         for out in outs:
             live = self._live.get(out.request_id)
-            if live is None:  # aborted earlier: its end event has been sent already
+            if live is None:  # ended already (shutdown, a failed step): nobody is listening
                 continue
-            self._start(live)
+            if out.started:
+                self._start(live, out)
             if out.new_token_ids:
                 n = len(out.new_token_ids)
                 if live.first_token is None:
@@ -250,37 +251,21 @@ class EngineLoop:
                 self._out.append((live.stream, ("delta", list(out.new_token_ids), out.new_text)))
             if out.finished:
                 del self._live[out.request_id]
-                self._end(live, out.finish_reason, out.completion.usage, out.error)
-        for live in self._live.values():
-            if not live.started:
-                self._start(live)
+                self._end(live, out)
 
-    def _start(self, live: _Live) -> None:
-        """Send the start event once the scheduler has admitted the request (the prefix
-        cache lookup happens at admission, so that is when cached tokens are known)."""
-        if live.started:
-            return
-        seq = self.engine.seqs[live.stream.engine_id]
-        if not (seq.admitted or seq.finished):
-            return
+    def _start(self, live: _Live, out: RequestOutput) -> None:
+        """The start event, once the scheduler has admitted the request (the prefix cache
+        lookup happens at admission, so that is when cached tokens are known)."""
         live.started = True
-        self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
-        self.metrics.cached_tokens.inc(seq.num_cached_tokens)
-        self._out.append((live.stream, ("start", len(seq.prompt_ids), seq.num_cached_tokens)))
+        self.metrics.prompt_tokens.inc(out.prompt_tokens)
+        self.metrics.cached_tokens.inc(out.cached_tokens)
+        self._out.append((live.stream, ("start", out.prompt_tokens, out.cached_tokens)))
 
-    def _end(self, live: _Live, reason: str, usage: Usage, error) -> None:
+    def _end(self, live: _Live, out: RequestOutput) -> None:
         now = time.perf_counter()
         stream = live.stream
-        self._start(live)
         total = now - stream.arrival
         ttft = live.first_token - stream.arrival if live.first_token is not None else None
         self.metrics.e2e.observe(total)
         self.recent_duration_s = 0.9 * self.recent_duration_s + 0.1 * total
-        self._out.append((stream, ("end", reason, usage, ttft, total, error)))
-        self._forget(stream.engine_id)
-
-    def _forget(self, engine_id: str) -> None:
-        # The engine keeps its most recent finished Sequences for inspection; the server has
-        # no use for them once the end event is out, so it drops them at once.
-        # Safe once the request is finished: step() only looks up ids it sampled this step.
-        self.engine.seqs.pop(engine_id, None)
+        self._out.append((stream, ("end", out.finish_reason, out.completion.usage, ttft, total, out.error)))

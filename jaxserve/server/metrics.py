@@ -54,20 +54,19 @@ class ServerMetrics:
         self._seen_checks = 0
         self._seen_rows = 0
 
-    def sync_engine(self, engine) -> None:
-        """Engine thread, after each step: KV gauges and integrity counters (as deltas)."""
-        bm = engine.bm
-        self.kv_used.set(bm.num_used_pages)
-        self.kv_free.set(bm.num_free_pages)
-        self.kv_total.set(bm.num_pages - 1)
-        self.running.set(len(engine.scheduler.running))
-        self.compiles_after_warmup.set(engine.runner.compiles_after_warmup)
-        st = engine.stats
-        if st.checks_run != self._seen_checks:
-            self.integrity_checks.inc(st.checks_run - self._seen_checks)
-            self.integrity_rows.inc(st.rows_checked - self._seen_rows)
-            self._seen_checks, self._seen_rows = st.checks_run, st.rows_checked
-        for cause, n in st.mismatches_by_cause.items():
+    def sync_engine(self, snap) -> None:
+        """Engine thread, after each step, from ``LLMEngine.snapshot()``: KV gauges and the
+        integrity and compile counters (as deltas)."""
+        self.kv_used.set(snap.kv_pages_used)
+        self.kv_free.set(snap.kv_pages_free)
+        self.kv_total.set(snap.kv_pages_total)
+        self.running.set(snap.running)
+        self.compiles_after_warmup.set(snap.compiles_after_warmup)
+        if snap.integrity_checks != self._seen_checks:
+            self.integrity_checks.inc(snap.integrity_checks - self._seen_checks)
+            self.integrity_rows.inc(snap.integrity_rows - self._seen_rows)
+            self._seen_checks, self._seen_rows = snap.integrity_checks, snap.integrity_rows
+        for cause, n in snap.integrity_mismatches.items():
             seen = self._seen_mismatches.get(cause, 0)
             if n != seen:
                 self.integrity_mismatches.labels(cause).inc(n - seen)

@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import jaxserve.engine.block_manager as bm_mod
 from jaxserve.engine.block_manager import BlockManager, NoFreePagesError, hash_page
-from jaxserve.engine.page_tracker import PageTracker
+from jaxserve.kv.page_tracker import PageTracker
 
 N_PAGES = 16  # page 0 is null, so 15 usable: small enough that pressure is common
 PS = 4

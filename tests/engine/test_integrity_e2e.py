@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM
-from jaxserve.engine.page_tracker import IntegrityError
+from jaxserve.kv.page_tracker import IntegrityError
 from jaxserve.engine.sampling_params import SamplingParams
 
 RNG = np.random.RandomState(21)
@@ -68,7 +68,7 @@ def test_use_after_free_aborts_the_stale_request_and_the_new_owner_is_clean(llm,
     eng = llm.engine
     before = eng.stats.mismatches_by_cause.get("stale_generation", 0)
     (ra, rb), outs = start(llm, [A, B])
-    stale = list(eng.seqs[ra].pages)
+    stale = list(eng.get_request(ra).pages)
     emitted = len(outs[ra])
     # The bug: A's pages are released behind the scheduler's back while A still maps them...
     eng.bm.free(ra)
@@ -77,12 +77,12 @@ def test_use_after_free_aborts_the_stale_request_and_the_new_owner_is_clean(llm,
     rc = eng.add_request(D, SP)
     for o in eng.step():
         outs[o.request_id] = outs.get(o.request_id, []) + o.new_token_ids
-    new_owner_pages = set(eng.seqs[rc].pages) | set(eng.seqs[rb].pages)
+    new_owner_pages = set(eng.get_request(rc).pages) | set(eng.get_request(rb).pages)
     assert new_owner_pages & set(stale), "the fault must hand A's pages to a new owner"
     done = finish(llm, outs)
-    err = eng.seqs[ra].error
+    err = eng.get_request(ra).error
     assert isinstance(err, IntegrityError) and err.cause == "stale_generation"
-    assert eng.seqs[ra].finish_reason == "abort" and len(outs[ra]) == emitted  # no token after the fault
+    assert eng.get_request(ra).finish_reason == "abort" and len(outs[ra]) == emitted  # no token after the fault
     assert list(done[rb].completion) == clean["B"]
     assert list(done[rc].completion) == list(llm.generate([D], SP)[0])  # clean run of the new owner
     assert eng.stats.mismatches_by_cause["stale_generation"] == before + 1
@@ -93,7 +93,7 @@ def test_out_of_range_page_id_is_caught_not_clipped(llm, clean):
     eng = llm.engine
     (ra, rb), outs = start(llm, [A, B])
     emitted = len(outs[ra])
-    eng.seqs[ra].pages[0] = eng.bm.num_pages + 3  # would clip to the last page in a plain gather
+    eng.get_request(ra).pages[0] = eng.bm.num_pages + 3  # would clip to the last page in a plain gather
     done = finish(llm, outs)
     assert done[ra].error.cause == "out_of_range_page" and len(outs[ra]) == emitted
     assert list(done[rb].completion) == clean["B"]
@@ -104,7 +104,7 @@ def test_tampered_expected_generation_is_caught(llm, clean):
     eng = llm.engine
     (ra, rb), outs = start(llm, [A, B])
     emitted = len(outs[ra])
-    eng.seqs[ra].expected[1] += 2
+    eng.get_request(ra).expected[1] += 2
     done = finish(llm, outs)
     assert done[ra].error.cause == "stale_generation" and len(outs[ra]) == emitted
     assert list(done[rb].completion) == clean["B"]
@@ -115,8 +115,8 @@ def test_n_faults_n_aborts(llm, clean):
     base = eng.stats.total_mismatches
     rids, outs = start(llm, [A, B, C], steps=4)
     emitted = {r: len(outs[r]) for r in rids}
-    eng.seqs[rids[0]].pages[-1] = -1  # negative ids wrap in a plain gather
-    eng.seqs[rids[2]].expected[0] -= 2
+    eng.get_request(rids[0]).pages[-1] = -1  # negative ids wrap in a plain gather
+    eng.get_request(rids[2]).expected[0] -= 2
     done = finish(llm, outs)
     aborted = [r for r in rids if done[r].finish_reason == "abort"]
     assert aborted == [rids[0], rids[2]]

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.engine import page_tracker as pt
+from jaxserve.kv import page_tracker as pt
 from jaxserve.engine.block_manager import BlockManager
-from jaxserve.engine.page_tracker import (
+from jaxserve.kv.page_tracker import (
     CAUSE_NAMES, NOT_OWNED, OK, OUT_OF_RANGE, STALE_GENERATION, IntegrityError,
     NoOpTracker, PageTracker, TrackerStats, integrity_errors, pad_updates)
 

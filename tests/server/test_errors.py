@@ -115,7 +115,7 @@ def test_integrity_failure_is_aborted_with_the_cause(served, cases):
     eid = served.server.service.active["tampered"].engine_id
 
     def tamper(eng):  # what a host bookkeeping bug would do: the page table no longer matches
-        eng.seqs[eid].expected[0] += 2
+        eng.get_request(eid).expected[0] += 2
 
     served.thread.call(tamper)
     with pytest.raises(grpc.RpcError) as e:
