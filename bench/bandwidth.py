@@ -80,21 +80,13 @@ class CopyBandwidth:
 
 
 def weight_bytes(llm) -> int:
-    """Bytes of the decode program's parameters (every array leaf, quantization scales included)."""
-    runner = llm.runner
-    leaves = runner.phase_params["decode"][0] if hasattr(runner, "phase_params") else runner.params
-    return int(sum(leaf.nbytes for leaf in leaves))
+    """Bytes of the decode program's parameters (quantization scales included)."""
+    return llm.memory_report()["weight_bytes"]["decode"]
 
 
 def kv_bytes_per_token(llm) -> int:
     """Bytes of K and V (and fp8 scales) one token occupies across all layers."""
-    total = 0
-    for layer in llm.runner.kv:
-        for pool in layer.values():
-            # GQA pools [KVH, P, S, D] (scales [KVH, P, S]); MLA [P, S, X]: per-slot bytes.
-            per_slot = pool.nbytes // (llm.num_pages * llm.page_size)
-            total += per_slot
-    return int(total)
+    return llm.memory_report()["kv_bytes_per_token"]
 
 
 def decode_step_times(llm, prompt: list[int], n: int) -> tuple[list[float], list[float]]:
@@ -102,19 +94,14 @@ def decode_step_times(llm, prompt: list[int], n: int) -> tuple[list[float], list
     program seconds of each decode step, measured by blocking on its logits)."""
     from jaxserve.engine.sampling_params import SamplingParams
 
-    engine, runner = llm.engine, llm.runner
-    program: list[float] = []
-    original = runner.step
+    engine = llm.engine
+    program: list[float] = []  # a step observer: each call returns once its program ran
 
-    def timed(phase, *a, **kw):
-        t = time.perf_counter()
-        res = original(phase, *a, **kw)
-        res.logits.block_until_ready()
-        if phase == "decode":
-            program.append(time.perf_counter() - t)
-        return res
+    def seen(rec):
+        if rec.phase == "decode":
+            program.append(rec.seconds)
 
-    runner.step = timed
+    remove = engine.add_step_observer(seen)
     steps = []
     try:
         engine.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
@@ -127,7 +114,7 @@ def decode_step_times(llm, prompt: list[int], n: int) -> tuple[list[float], list
                 steps.append(dt)
             first = first or any(o.new_token_ids for o in outs)
     finally:
-        del runner.step
+        remove()
     return steps, program
 
 

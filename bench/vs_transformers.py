@@ -133,26 +133,22 @@ def main(argv=None) -> int:
     # Where jaxserve's time goes in each call: its prefill and decode programs (runner.step
     # already waits for its program: it reads the integrity flags back), and the host rest.
     split: list[dict] = []
-    runner_step = llm.runner.step
 
     def run_jaxserve(prompts, out_lens):
         sp = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in out_lens]
         spent = {"prefill": 0.0, "decode": 0.0, "decode_steps": 0}
 
-        def timed(phase, *a, **kw):
-            t = time.perf_counter()
-            res = runner_step(phase, *a, **kw)
-            spent[phase] += time.perf_counter() - t
-            spent["decode_steps"] += phase == "decode"
-            return res
+        def seen(rec):
+            spent[rec.phase] += rec.seconds
+            spent["decode_steps"] += rec.phase == "decode"
 
-        llm.runner.step = timed
+        remove = llm.engine.add_step_observer(seen)
         try:
             t = time.perf_counter()
             outs = llm.generate(prompts, sp)
             dt = time.perf_counter() - t
         finally:
-            del llm.runner.step
+            remove()
         assert [len(o) for o in outs] == list(out_lens)
         split.append(dict(spent, host=dt - spent["prefill"] - spent["decode"]))
         return dt, [list(o) for o in outs]

@@ -1,11 +1,12 @@
 """Where a decode step's time goes, at a given batch size and context.
 
 B requests with C-token prompts are brought to steady decoding; then, over --steps engine
-steps, each ``engine.step()`` is timed, and inside it the decode program (``runner.step``,
-blocked on its logits), so the host side (scheduling, input building, host-to-device copies,
-sampling, stop checks) is the difference. One decode program call is then replayed under the
-JAX profiler and its XLA ops are grouped by what they do, using the optimized HLO that XLA
-dumps at compile time (so this module compiles afresh: the persistent compile cache is off):
+steps, each ``engine.step()`` is timed, and inside it the decode program (a step observer:
+the program call returns once its integrity flags are read back), so the host side
+(scheduling, input building, host-to-device copies, sampling, stop checks) is the difference.
+Three more engine steps then run under the JAX profiler and their XLA ops are grouped by what
+they do, using the optimized HLO that XLA dumps at compile time (so this module compiles
+afresh: the persistent compile cache is off):
 
 - matmul: dots (projections, MLP, LM head), including fusions that contain one;
 - KV gather: ops that read pages through the page table (the paged context, dequantized);
@@ -135,7 +136,6 @@ def newest_dump(dump_dir: str, pattern: str) -> str | None:
 # ---------------------------------------------------------------------- measuring
 def profile_batch(args, batch: int, dump_dir: str) -> dict:
     import jax
-    import numpy as np
 
     from jaxserve import LLM
     from jaxserve.bench.measure import median
@@ -150,27 +150,21 @@ def profile_batch(args, batch: int, dump_dir: str) -> dict:
               prefill_chunk=128, max_num_batched_tokens=1024, max_model_len=max_len,
               enable_prefix_caching=False, integrity_check=not args.no_integrity_check,
               decode_weights=args.decode_weights)
-    engine, runner = llm.engine, llm.runner
+    engine = llm.engine
     work = make_workload(batch, (args.context, args.context), (1, 1), llm.cfg.vocab_size, seed=batch)
     sp = SamplingParams(max_tokens=total - args.context, ignore_eos=True)
-    program, last = [], {}
-    original = runner.step
+    program = []  # decode program seconds (a step observer: the call returns once the program ran)
 
-    def timed(phase, *a, **kw):
-        t = time.perf_counter()
-        res = original(phase, *a, **kw)
-        res.logits.block_until_ready()
-        if phase == "decode":
-            program.append(time.perf_counter() - t)
-            last["args"] = (phase, *a)
-        return res
+    def seen(rec):
+        if rec.phase == "decode":
+            program.append(rec.seconds)
 
-    runner.step = timed
+    remove = engine.add_step_observer(seen)
+    rids = [engine.add_request(r.prompt_ids, sp) for r in work]
     try:
-        for r in work:
-            engine.add_request(r.prompt_ids, sp)
-        while any(not s.output_ids for s in list(engine.scheduler.running) + list(engine.scheduler.waiting)):
-            engine.step()  # prefill (and the first decode steps, which compile)
+        started = set()
+        while len(started) < len(rids):  # prefill (and the first decode steps, which compile)
+            started.update(o.request_id for o in engine.step() if o.new_token_ids)
         for _ in range(2):
             engine.step()
         program.clear()
@@ -182,14 +176,13 @@ def profile_batch(args, batch: int, dump_dir: str) -> dict:
         trace_dir = tempfile.mkdtemp(prefix="jaxserve_trace_")
         jax.profiler.start_trace(trace_dir)
         for _ in range(3):
-            original(*last["args"]).logits.block_until_ready()
+            engine.step()
         jax.profiler.stop_trace()
     finally:
-        del runner.step
-        for rid, s in list(engine.seqs.items()):
+        remove()
+        for rid in rids:
             engine.abort(rid)
-        while engine.has_unfinished():
-            engine.step()
+        engine.run_until_done()
     step_s, prog_s = median(steps), median(program)
     ops = load_trace_ops(trace_dir)
     hlo_file = newest_dump(dump_dir, "*jit_step*after_optimizations.txt")
@@ -201,14 +194,14 @@ def profile_batch(args, batch: int, dump_dir: str) -> dict:
     top_ops = sorted(ops.items(), key=lambda kv: -kv[1])[:8]
     return dict(
         batch=batch, context=args.context, dtype=args.dtype, kv_format=llm.fmt.name, num_pages=llm.num_pages,
-        max_model_len=engine.max_model_len, page_table_width=runner.max_pages_per_seq,
+        max_model_len=engine.max_model_len, page_table_width=llm.runner.max_pages_per_seq,
         engine_step_s=step_s, decode_program_s=prog_s, host_s=step_s - prog_s,
         decode_tok_s=batch / step_s,
         program_shares={k: v / op_total for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
         program_ms_by_category={k: v / op_total * prog_s * 1e3 for k, v in by_cat.items()},
         top_ops=[dict(op=op, category=cats.get(op, classify(op, "")), share=us / op_total) for op, us in top_ops],
         trace_dir=trace_dir, hlo_dump=hlo_file,
-        kv_gathered_mb_per_step=_gathered_mb(llm, batch, int(np.max(last["args"][2]))),
+        kv_gathered_mb_per_step=_gathered_mb(llm, batch, args.context + args.steps + 5),
     )
 
 
@@ -218,7 +211,7 @@ def _gathered_mb(llm, batch: int, context: int) -> float:
     from jaxserve.models.attention import gathered_slots
 
     slots = gathered_slots(llm.runner.max_pages_per_seq, llm.page_size, context)
-    per_slot = sum(p.nbytes for layer in llm.runner.kv for p in layer.values()) / (llm.num_pages * llm.page_size)
+    per_slot = llm.memory_report()["kv_bytes_per_token"]
     return batch * slots * per_slot / 1e6
 
 
