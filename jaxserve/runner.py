@@ -10,11 +10,12 @@ page and writes nothing, and the caller aborts its request.
 
 Parameters are passed as the flat leaves of the NNX state (cheaper to dispatch than an
 ``nnx.State``). After ``warmup()`` any new compilation of a serving program is counted, and
-raises ``RecompilationError`` when ``strict``.
+raises ``RecompilationError`` when ``strict`` (tests), else is logged as a warning (serving).
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,9 @@ from jaxserve.models.step import StepInput
 from jaxserve.quant.linear import describe, resolve_backend, use_backend
 from jaxserve.quant.phase import PhaseWeight, phase_states
 from jaxserve.sharding import MODEL_AXIS, Mesh, NamedSharding, PartitionSpec, replicated
+
+
+log = logging.getLogger("jaxserve.runner")
 
 
 class RecompilationError(RuntimeError):
@@ -90,6 +94,7 @@ class ModelRunner:
         matmul_backend: str = "auto",
         quantize_tied_head: bool = False,
         prefill_from_decode_weights: bool = False,
+        strict: bool = False,
     ):
         self.cfg = model.cfg
         self.fmt = fmt
@@ -118,15 +123,23 @@ class ModelRunner:
         self.phase_params = {p: jax.tree.flatten(s) for p, s in states.items()}
         if states["prefill"] is states["decode"]:
             self.phase_params["prefill"] = self.phase_params["decode"]
-        self.params, self.treedef = self.phase_params["prefill"]
+        # Every program input is committed to its device(s) from the start, as the programs'
+        # outputs (the KV pools, the generations) are after their first call: a jitted
+        # program's cache key includes where its inputs are committed, so an uncommitted pool
+        # at warm-up and a committed one while serving would compile the same bucket twice.
         kv = model.init_kv(num_pages, page_size, fmt)
-        if mesh is not None:
-            kv = jax.device_put(kv, self.kv_sharding(kv))
-        self.kv = kv
-        self.generation = self.tracker.init(num_pages)
+        home = jax.devices()[0] if mesh is None else replicated(mesh)
+        self.kv = jax.device_put(kv, self.kv_sharding(kv) if mesh is not None else home)
+        self.generation = jax.device_put(self.tracker.init(num_pages), home)
+        if mesh is None:  # (under a mesh the weights are placed, so committed, at load)
+            placed = {id(x): x for leaves, _ in self.phase_params.values() for x in leaves}
+            placed = dict(zip(placed, jax.device_put(list(placed.values()), home)))  # an array both phases read stays one
+            self.phase_params = {p: ([placed[id(x)] for x in leaves], treedef)
+                                 for p, (leaves, treedef) in self.phase_params.items()}
+        self.params, self.treedef = self.phase_params["prefill"]
         self._jitted: dict = {}
         self.warm = False
-        self.strict = False
+        self.strict = strict  # a compilation after warm-up raises (else it is logged and counted)
         self.compiles_after_warmup = 0
 
     def weight_bytes(self) -> dict[str, int]:
@@ -241,10 +254,10 @@ class ModelRunner:
         )
         if self.warm and not all_logits and fn._cache_size() != before:
             self.compiles_after_warmup += 1
+            msg = f"{phase} program compiled after warm-up for shape tokens={tuple(inp.tokens.shape)}"
             if self.strict:
-                raise RecompilationError(
-                    f"{phase} program compiled after warm-up for shape tokens={tuple(inp.tokens.shape)}"
-                )
+                raise RecompilationError(msg)
+            log.warning("%s (a shape escaped the warm-up buckets: counted in compiles_after_warmup)", msg)
         return StepResult(logits, np.asarray(ok), np.asarray(cause))
 
     def run(self, tokens, cached_lens, new_lens, page_table, all_logits: bool = False) -> jax.Array:

@@ -1,4 +1,6 @@
-"""Test-wide settings: eight virtual CPU devices and a persistent compile cache.
+"""Test-wide settings: eight virtual CPU devices, a persistent compile cache, and strict
+compilation (a serving program compiled after warm-up is an error, in every engine the tests
+build, subprocess servers included).
 
 These must be set before jax is imported anywhere, which is why they live here.
 """
@@ -6,6 +8,7 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAXSERVE_STRICT_COMPILES", "1")
 
 import jax  # noqa: E402
 

@@ -124,6 +124,19 @@ def test_llm_generates_the_same_tokens(converted, src):
     assert out_a == b.generate([PROMPT], max_tokens=8, ignore_eos=True) and len(out_a[0]) == 8
 
 
+def test_serving_a_converted_checkpoint_compiles_nothing_after_warmup(converted):
+    """Restored parameters are committed to a device; so is the KV pool from the start, so the
+    programs warm-up compiled are the ones serving calls (the strict guard raises otherwise)."""
+    dst, _ = converted
+    llm = LLM(str(dst), kv_format="fp8_e4m3", num_pages=32, page_size=8, max_num_seqs=2, max_prefill_seqs=2,
+              prefill_chunk=16, max_num_batched_tokens=32, max_model_len=64)
+    assert llm.engine.config.strict_compiles  # tests run strict (tests/conftest.py)
+    llm.warmup()
+    llm.generate([PROMPT, PROMPT[:5]], max_tokens=6, ignore_eos=True)
+    llm.generate([PROMPT[:3]], max_tokens=3, ignore_eos=True)  # decode batch 1
+    assert llm.engine.snapshot().compiles_after_warmup == 0
+
+
 def test_disagreeing_formats_are_refused(converted):
     dst, _ = converted
     with pytest.raises(ValueError, match="converted"):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from jaxserve.engine.scheduler import SchedulerConfig
 from jaxserve.kv import memory as kv_memory
@@ -45,6 +46,10 @@ class EngineConfig:
     # Finished requests the engine keeps answering `completion(id)` for (a server needs none:
     # each request's last output carries its completion).
     keep_finished: int = 1024
+    # A serving program compiled after warm-up raises RecompilationError (True) or is logged
+    # and counted (False: jaxserve_compiles_after_warmup). Default: $JAXSERVE_STRICT_COMPILES=1.
+    strict_compiles: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get("JAXSERVE_STRICT_COMPILES", "") == "1")
 
     def __post_init__(self):
         if self.keep_finished < 0:

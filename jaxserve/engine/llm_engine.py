@@ -90,7 +90,7 @@ class LLMEngine:
             prefill_weights=config.prefill_weights, decode_weights=config.decode_weights,
             attention_backend=config.attention_backend or default_attention_backend(),
             matmul_backend=config.matmul_backend, quantize_tied_head=config.quantize_tied_head,
-            prefill_from_decode_weights=config.prefill_from_decode_weights,
+            prefill_from_decode_weights=config.prefill_from_decode_weights, strict=config.strict_compiles,
         )
         # Prefill programs: rows in powers of two, tokens in token_buckets (compiled at warm-up).
         self.prefill_token_buckets = token_buckets(16, min(config.prefill_chunk, config.max_num_batched_tokens))
