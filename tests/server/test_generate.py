@@ -130,7 +130,7 @@ def test_model_info_reports_formats_pool_and_fingerprint(served, llm):
         h.update(f"{i}:{a.dtype.name}:{a.shape};".encode() + a.tobytes(order="C"))
     h.update(json.dumps(phase_formats(llm), sort_keys=True).encode())
     assert info.fingerprint == h.hexdigest()
-    other = dict(phase_formats(llm), decode={"weights": "int4_g128", "kv_cache": "fp8_e4m3"})
+    other = dict(phase_formats(llm), decode={"weights": "int4:g128", "kv_cache": "fp8_e4m3"})
     assert fingerprint(llm.runner.params, other) != info.fingerprint  # formats are part of it
 
 
