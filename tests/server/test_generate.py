@@ -106,6 +106,37 @@ def test_tokenize_and_detokenize_match_the_tokenizer(served, llm):
     assert chat == llm.tokenizer.encode(llm.apply_chat_template("hi"))
 
 
+def test_async_client_has_the_client_methods(served, llm, cases):
+    """AsyncClient offers every public method of Client, as coroutines, with the same answers."""
+    import asyncio
+
+    from jaxserve.client import AsyncClient, Client
+
+    def public(cls):
+        return {n for n in vars(cls) if not n.startswith("_") and callable(getattr(cls, n))}
+
+    assert public(Client) - {"__enter__", "__exit__"} <= public(AsyncClient)
+    text = "The capital of France is Paris."
+    prompt, kw, want = cases["ids_greedy"]
+
+    async def run():
+        async with AsyncClient(served.target, timeout=60) as c:
+            await c.wait_ready(timeout=30)
+            ids = await c.tokenize(text)
+            chat = await c.tokenize("hi", chat_template=True)
+            back = await c.detokenize(ids)
+            r = await c.generate(prompt, **kw)
+        async with AsyncClient("127.0.0.1:1") as dead:  # nothing listens there
+            with pytest.raises(TimeoutError, match="not SERVING"):
+                await dead.wait_ready(timeout=0.3, poll=0.05)
+        return ids, chat, back, r
+
+    ids, chat, back, r = asyncio.run(run())
+    assert ids == llm.tokenizer.encode(text) and back == llm.tokenizer.decode(ids)
+    assert chat == llm.tokenizer.encode(llm.apply_chat_template("hi"))
+    assert list(r.token_ids) == list(want.token_ids)
+
+
 def test_model_info_reports_formats_pool_and_fingerprint(served, llm):
     from jaxserve.server.convert import fingerprint, phase_formats
 
