@@ -137,6 +137,7 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and layer >= self.first_k_dense_replace
 
+
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     if scale <= 1:
         return 1.0

@@ -5,7 +5,10 @@ MLPs over their intermediate width, routed experts are expert-parallel (whole ex
 device), the vocabulary is split for the embedding and the LM head, and the MLA latent
 cache is replicated (every head reads the whole latent). XLA's SPMD partitioner inserts
 the collectives. A dimension that does not divide evenly over the mesh is an error, not a
-silent replication (except KV heads, replicated when they do not divide, as in vLLM).
+silent replication, with two exceptions, both as vLLM does: KV heads are replicated when they
+do not divide, and the vocabulary is zero-padded at load to a multiple of the devices
+(``config_for_mesh``, ``pad_vocab``); the model cuts the padded ids' logits off, so they are
+never sampled and never appear in log-probs.
 """
 from __future__ import annotations
 

@@ -203,7 +203,7 @@ def load_model(path, dtype=None, mesh=None):
             raise CheckpointError(f"{path}: {key} is stored with shape {tuple(entry['shape'])}, model has {stored}")
         for section, desc in entry["leaves"].items():
             fmt = entry["prefill" if section == "shared" else section]
-            if fmt is None:  # padded to `shape` after the restore, then placed
+            if fmt is None:  # a vocabulary to pad is restored on one device, padded, then placed
                 sh = named(mesh, axes, shape, key) if mesh is not None and stored == shape else single
                 leaf = _target(desc, sh)
             elif stored != shape:
