@@ -14,6 +14,7 @@ Sampling arguments left as None are not sent, so the server's defaults apply.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Iterator, Sequence
 
@@ -64,6 +65,20 @@ def finish_reason(msg) -> str:
     return FINISH_REASON_NAMES[msg.finish_reason]
 
 
+def _tokenize_request(text: str, add_special_tokens: bool | None, chat_template: bool) -> pb.TokenizeRequest:
+    req = pb.TokenizeRequest(text=text, apply_chat_template=chat_template)
+    if add_special_tokens is not None:
+        req.add_special_tokens = add_special_tokens
+    return req
+
+
+def _detokenize_request(token_ids: Sequence[int], skip_special_tokens: bool | None) -> pb.DetokenizeRequest:
+    req = pb.DetokenizeRequest(token_ids=list(token_ids))
+    if skip_special_tokens is not None:
+        req.skip_special_tokens = skip_special_tokens
+    return req
+
+
 def _metadata(metadata, session_header: str | None):
     md = list(metadata or ())
     if session_header:
@@ -99,16 +114,12 @@ class Client:
 
     def tokenize(self, text: str, *, add_special_tokens: bool | None = None, chat_template: bool = False,
                  timeout: float | None = None) -> list[int]:
-        req = pb.TokenizeRequest(text=text, apply_chat_template=chat_template)
-        if add_special_tokens is not None:
-            req.add_special_tokens = add_special_tokens
+        req = _tokenize_request(text, add_special_tokens, chat_template)
         return list(self.stub.Tokenize(req, timeout=self._t(timeout)).token_ids)
 
     def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None,
                    timeout: float | None = None) -> str:
-        req = pb.DetokenizeRequest(token_ids=list(token_ids))
-        if skip_special_tokens is not None:
-            req.skip_special_tokens = skip_special_tokens
+        req = _detokenize_request(token_ids, skip_special_tokens)
         return self.stub.Detokenize(req, timeout=self._t(timeout)).text
 
     def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
@@ -167,6 +178,16 @@ class AsyncClient:
         return self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=self._t(timeout),
                                         metadata=_metadata(metadata, session_header))
 
+    async def tokenize(self, text: str, *, add_special_tokens: bool | None = None, chat_template: bool = False,
+                       timeout: float | None = None) -> list[int]:
+        req = _tokenize_request(text, add_special_tokens, chat_template)
+        return list((await self.stub.Tokenize(req, timeout=self._t(timeout))).token_ids)
+
+    async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None,
+                         timeout: float | None = None) -> str:
+        req = _detokenize_request(token_ids, skip_special_tokens)
+        return (await self.stub.Detokenize(req, timeout=self._t(timeout))).text
+
     async def model_info(self, timeout=None) -> pb.ModelInfo:
         return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._t(timeout))
 
@@ -177,6 +198,19 @@ class AsyncClient:
         resp = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
                                             timeout=self._t(timeout) or 5.0)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    async def wait_ready(self, timeout: float = 300.0, poll: float = 0.1) -> None:
+        """Wait until health is SERVING (warm-up done); raises TimeoutError."""
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                if await self.health(timeout=max(poll, 1.0)) == "SERVING":
+                    return
+            except grpc.RpcError:
+                pass  # not listening yet
+            if time.monotonic() > end:
+                raise TimeoutError(f"{self.target} not SERVING after {timeout}s")
+            await asyncio.sleep(poll)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -7,14 +7,14 @@ Both forms seen in the wild are accepted:
   ``dtype``).
 
 Unknown architectures and missing required fields are errors that name them: a model
-must never be built from guessed shapes.
+must never be built from guessed shapes. The architecture registry
+(``jaxserve.models.config_from_dict``) turns a config dict into a ``ModelConfig``; this module
+holds the shared parsing and imports no model code.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from typing import Any
 
 
@@ -90,6 +90,20 @@ class ModelConfig:
     use_qk_norm: bool = False
     partial_rotary_factor: float = 1.0
     num_nextn_predict_layers: int = 0
+    # Not from config.json: the embedding rows / LM-head columns the model is built with, the
+    # vocabulary rounded up to split evenly over devices (the loader sets it under a mesh,
+    # ``jaxserve.sharding.padded_vocab_size``). None: vocab_size. Padded ids are never produced:
+    # the model cuts their logits off.
+    padded_vocab_size: int | None = None
+
+    def __post_init__(self):
+        if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
+            raise ConfigError(f"padded_vocab_size {self.padded_vocab_size} < vocab_size {self.vocab_size}")
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the embedding table (= columns of the LM head), padding included."""
+        return self.padded_vocab_size or self.vocab_size
 
     @property
     def is_mla(self) -> bool:
@@ -122,18 +136,6 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and layer >= self.first_k_dense_replace
-
-    @classmethod
-    def from_json_file(cls, path: str | os.PathLike) -> "ModelConfig":
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        from jaxserve.models import resolve_architecture  # registry lives with the models
-
-        arch = resolve_architecture(raw)
-        return arch.parse_config(raw)
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

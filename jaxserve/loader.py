@@ -27,9 +27,9 @@ from jaxserve.checkpoint import prequantized
 from jaxserve.checkpoint.prequantized import CheckpointError  # noqa: F401  (defined there, public here)
 from jaxserve.checkpoint.safetensors_io import SafetensorsFile
 from jaxserve.config import ConfigError, ModelConfig
-from jaxserve.models import get_architecture
+from jaxserve.models import config_from_dict, get_architecture
 from jaxserve.quant.phase import PhaseWeight, matrix_view, place
-from jaxserve.sharding import Mesh, named
+from jaxserve.sharding import Mesh, config_for_mesh, named, pad_vocab, unpadded_shape
 
 
 def _list_shown(names, n=8) -> str:
@@ -94,7 +94,7 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
     """The model config; a quantization_config must be one jaxserve loads (else ConfigError)."""
     raw = _raw_config(path)
     prequantized.parse_quantization_config(raw.get("quantization_config"))
-    return ModelConfig.from_dict(raw)
+    return config_from_dict(raw)
 
 
 def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = None):
@@ -102,6 +102,8 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = N
 
     Quantized tensors of a pre-quantized checkpoint load as PhaseWeights in their own format
     (not expanded to `dtype`); a jaxserve-converted checkpoint restores its stored phases.
+    Under a mesh whose size does not divide the vocabulary, the embedding and LM head are
+    zero-padded (``config_for_mesh``); the model cuts the padded ids' logits off.
     """
     from jaxserve.checkpoint import orbax_io  # late: orbax is only needed for converted checkpoints
 
@@ -109,7 +111,7 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = N
         return orbax_io.load_model(path, dtype, mesh)
     raw = _raw_config(path)
     scheme = prequantized.parse_quantization_config(raw.get("quantization_config"))
-    cfg = ModelConfig.from_dict(raw)
+    cfg = config_for_mesh(config_from_dict(raw), mesh)
     arch = get_architecture(cfg)
     abstract = nnx.eval_shape(lambda: arch.build(cfg, dtype, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
@@ -143,16 +145,18 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = N
         spec = specs[key]
         want = var.get_value()
         if plans[key].kind != "plain":
-            loaded.append((p, var.replace(_load_quantized(plans[key], scheme, read, key, var, mesh))))
+            loaded.append((p, var.replace(_load_quantized(cfg, plans[key], scheme, read, key, var, mesh))))
             continue
         arr = spec.build(*(read(n) for n in spec.sources))
-        if tuple(arr.shape) != tuple(want.shape):
+        axes = var.get_metadata()["logical_axes"]
+        if tuple(arr.shape) != tuple(unpadded_shape(cfg, want.shape, axes)):
             raise CheckpointError(
-                f"{_list_shown(spec.sources, 2)} gives shape {tuple(arr.shape)} for {key}, expected {tuple(want.shape)}"
+                f"{_list_shown(spec.sources, 2)} gives shape {tuple(arr.shape)} for {key}, "
+                f"expected {tuple(unpadded_shape(cfg, want.shape, axes))}"
             )
-        arr = np.asarray(arr).astype(want.dtype)
+        arr = pad_vocab(np.asarray(arr).astype(want.dtype), axes, want.shape, key)
         if mesh is not None:
-            value = jax.device_put(arr, named(mesh, var.get_metadata()["logical_axes"], arr.shape, key))
+            value = jax.device_put(arr, named(mesh, axes, arr.shape, key))
         else:
             value = jnp.asarray(arr)
         loaded.append((p, var.replace(value)))
@@ -160,10 +164,13 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = N
     return cfg, model
 
 
-def _load_quantized(plan, scheme, read, key: str, var, mesh) -> PhaseWeight:
+def _load_quantized(cfg, plan, scheme, read, key: str, var, mesh) -> PhaseWeight:
     """A quantized checkpoint tensor (or expert stack) -> PhaseWeight in its own format, placed."""
     shape = tuple(var.get_value().shape)
     axes = var.get_metadata().get("logical_axes") or (None,) * len(shape)
+    if shape != unpadded_shape(cfg, shape, axes):
+        raise CheckpointError(f"{key} is stored quantized, so its vocabulary ({cfg.vocab_size}) cannot be padded "
+                              f"to {cfg.vocab_rows} to split over the devices: use a device count that divides it")
     mshape, maxes = matrix_view(key, shape, axes)
     qw = prequantized.build_quantized(plan, scheme, read, mshape, key)
     return PhaseWeight(place(qw, maxes, mesh, key), shape)

@@ -5,13 +5,20 @@ MLPs over their intermediate width, routed experts are expert-parallel (whole ex
 device), the vocabulary is split for the embedding and the LM head, and the MLA latent
 cache is replicated (every head reads the whole latent). XLA's SPMD partitioner inserts
 the collectives. A dimension that does not divide evenly over the mesh is an error, not a
-silent replication (except KV heads, replicated when they do not divide, as in vLLM).
+silent replication, with two exceptions, both as vLLM does: KV heads are replicated when they
+do not divide, and the vocabulary is zero-padded at load to a multiple of the devices
+(``config_for_mesh``, ``pad_vocab``); the model cuts the padded ids' logits off, so they are
+never sampled and never appear in log-probs.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.config import ModelConfig
 
 MODEL_AXIS = "model"
 
@@ -41,6 +48,41 @@ def make_mesh(num_devices: int) -> Mesh:
             "(on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax)"
         )
     return Mesh(np.array(devices[:num_devices]), (MODEL_AXIS,))
+
+
+def padded_vocab_size(vocab_size: int, mesh: Mesh | None) -> int:
+    """The vocabulary rounded up to a multiple of the devices it is split over (no mesh: as is)."""
+    n = 1 if mesh is None else mesh.shape[MODEL_AXIS]
+    return -(-vocab_size // n) * n
+
+
+def config_for_mesh(cfg: ModelConfig, mesh: Mesh | None) -> ModelConfig:
+    """`cfg` with its vocabulary padded to split evenly over `mesh` (unchanged if it already does)."""
+    rows = padded_vocab_size(cfg.vocab_size, mesh)
+    return cfg if rows == cfg.vocab_size else dataclasses.replace(cfg, padded_vocab_size=rows)
+
+
+def unpadded_shape(cfg: ModelConfig, shape, logical_axes) -> tuple[int, ...]:
+    """A parameter's shape as a checkpoint stores it: the "vocab" dim without padding."""
+    axes = tuple(logical_axes or (None,) * len(shape))
+    return tuple(cfg.vocab_size if a == "vocab" else int(d) for d, a in zip(shape, axes))
+
+
+def pad_vocab(arr: np.ndarray, logical_axes, shape, name: str = "") -> np.ndarray:
+    """Zero-pad ``arr``'s "vocab" dimension up to ``shape``'s (the model's padded parameter).
+
+    Any other difference is an error: only the vocabulary is ever padded."""
+    axes = tuple(logical_axes or ())
+    if tuple(arr.shape) == tuple(shape):
+        return arr
+    if "vocab" not in axes or len(arr.shape) != len(shape):
+        raise ShardingError(f"{name}: shape {tuple(arr.shape)} cannot be padded to {tuple(shape)}")
+    i = axes.index("vocab")
+    extra = shape[i] - arr.shape[i]
+    if extra < 0 or any(a != b for j, (a, b) in enumerate(zip(arr.shape, shape)) if j != i):
+        raise ShardingError(f"{name}: shape {tuple(arr.shape)} cannot be padded to {tuple(shape)}")
+    widths = [(0, extra if j == i else 0) for j in range(arr.ndim)]
+    return np.pad(np.asarray(arr), widths)
 
 
 def spec_for(logical_axes, shape, mesh: Mesh, name: str = "") -> PartitionSpec:

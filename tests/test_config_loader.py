@@ -7,7 +7,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from hf_models import build_deepseek_v3
-from jaxserve.config import ConfigError, ModelConfig
+from jaxserve.config import ConfigError
+from jaxserve.models import config_from_dict
 from jaxserve.loader import CheckpointError, load_model
 
 IDS = [5, 17, 99, 3, 250, 42, 7, 8, 9, 10, 11]
@@ -46,8 +47,8 @@ def legacy_config(new_form: dict) -> dict:
 
 def test_both_config_forms_give_the_same_model_config(ckpt):
     new = json.loads((ckpt[0] / "config.json").read_text())
-    a = ModelConfig.from_dict(new)
-    b = ModelConfig.from_dict(legacy_config(new))
+    a = config_from_dict(new)
+    b = config_from_dict(legacy_config(new))
     assert a.rope == b.rope and a.rope.kind == "yarn" and a.rope.factor == 4.0
     assert a.softmax_scale == b.softmax_scale
     assert b.model_type == "kimi_k2" and b.torch_dtype == "float32"
@@ -69,20 +70,20 @@ def test_real_style_legacy_checkpoint_loads_and_matches(ckpt, tmp_path):
 
 def test_unknown_architecture_is_named():
     with pytest.raises(ConfigError, match="MysteryForCausalLM"):
-        ModelConfig.from_dict({"architectures": ["MysteryForCausalLM"], "model_type": "mystery"})
+        config_from_dict({"architectures": ["MysteryForCausalLM"], "model_type": "mystery"})
 
 
 def test_missing_field_is_named(ckpt):
     raw = json.loads((ckpt[0] / "config.json").read_text())
     del raw["kv_lora_rank"]
     with pytest.raises(ConfigError, match="kv_lora_rank"):
-        ModelConfig.from_dict(raw)
+        config_from_dict(raw)
 
 
 def test_unsupported_routing_is_refused(ckpt):
     raw = json.loads((ckpt[0] / "config.json").read_text())
     with pytest.raises(ConfigError, match="softmax"):
-        ModelConfig.from_dict(dict(raw, scoring_func="softmax"))
+        config_from_dict(dict(raw, scoring_func="softmax"))
 
 
 def rewrite_tensors(path, fn):

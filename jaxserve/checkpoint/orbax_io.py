@@ -168,20 +168,20 @@ def load_model(path, dtype=None, mesh=None):
     """
     import jax
     import jax.numpy as jnp
+    import numpy as np
     import orbax.checkpoint as ocp
     from flax import nnx
 
     from jaxserve.checkpoint.prequantized import CheckpointError
-    from jaxserve.config import ModelConfig
-    from jaxserve.models import get_architecture
+    from jaxserve.models import config_from_dict, get_architecture
     from jaxserve.quant.phase import PhaseSet, matrix_view, phase_weight, qw_shardings
     from jaxserve.quant.qweight import QuantizedWeight
-    from jaxserve.sharding import named
+    from jaxserve.sharding import config_for_mesh, named, pad_vocab, unpadded_shape
 
     dtype = dtype or jnp.float32
     meta = read_metadata(path)
     with open(Path(path) / "config.json") as f:
-        cfg = ModelConfig.from_dict(json.load(f))
+        cfg = config_for_mesh(config_from_dict(json.load(f)), mesh)
     arch = get_architecture(cfg)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: arch.build(cfg, dtype, nnx.Rngs(0))))
     flat = list(nnx.to_flat_state(state))
@@ -197,14 +197,19 @@ def load_model(path, dtype=None, mesh=None):
         key = "/".join(str(k) for k in p)
         entry = params[key]
         shape = tuple(var.get_value().shape)
-        if tuple(entry["shape"]) != shape:
-            raise CheckpointError(f"{path}: {key} is stored with shape {tuple(entry['shape'])}, model has {shape}")
         axes = var.get_metadata().get("logical_axes") or (None,) * len(shape)
+        stored = unpadded_shape(cfg, shape, axes)  # the vocabulary without padding for the mesh
+        if tuple(entry["shape"]) != stored:
+            raise CheckpointError(f"{path}: {key} is stored with shape {tuple(entry['shape'])}, model has {stored}")
         for section, desc in entry["leaves"].items():
             fmt = entry["prefill" if section == "shared" else section]
-            if fmt is None:
-                sh = named(mesh, axes, shape, key) if mesh is not None else single
+            if fmt is None:  # a vocabulary to pad is restored on one device, padded, then placed
+                sh = named(mesh, axes, shape, key) if mesh is not None and stored == shape else single
                 leaf = _target(desc, sh)
+            elif stored != shape:
+                raise CheckpointError(f"{path}: {key} is stored as {fmt}, so its vocabulary ({cfg.vocab_size}) "
+                                      f"cannot be padded to {cfg.vocab_rows} to split over the devices: "
+                                      "use a device count that divides it")
             else:
                 mshape, maxes = matrix_view(key, shape, axes)
                 qw = QuantizedWeight(_target(desc["values"], None),
@@ -220,11 +225,15 @@ def load_model(path, dtype=None, mesh=None):
 
     def value(section, key, fmt, var):
         leaf = _get(restored[section], key)
-        if fmt is None:
-            want = var.get_value().dtype
-            return leaf if leaf.dtype == want else leaf.astype(want)
         shape = tuple(var.get_value().shape)
         axes = var.get_metadata().get("logical_axes") or (None,) * len(shape)
+        if fmt is None:
+            want = var.get_value().dtype
+            leaf = leaf if leaf.dtype == want else leaf.astype(want)
+            if tuple(leaf.shape) == shape:
+                return leaf
+            padded = pad_vocab(np.asarray(jax.device_get(leaf)), axes, shape, key)
+            return jax.device_put(padded, named(mesh, axes, shape, key))
         qw = QuantizedWeight(leaf["values"], leaf.get("scales"), fmt, matrix_view(key, shape, axes)[0])
         return phase_weight(key, qw, shape)
 

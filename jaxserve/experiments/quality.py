@@ -33,7 +33,8 @@ identical text until their distributions first differ enough to flip a draw. Rep
 format: the share of (prompt, seed) completions identical to the reference's, and the mean
 number of tokens before the first difference, with bootstrap intervals over prompts (seeds
 averaged within a prompt). The reference against itself with other seeds gives the floor
-(what two unrelated samples share).
+(what two unrelated samples share); the reference drawn a second time with the same seeds
+is its own ``sampling`` entry (reproducibility: every completion identical).
 """
 from __future__ import annotations
 
@@ -289,9 +290,9 @@ def run(
 
     # ---- reference (cached on disk by settings key, so --resume runs can add formats)
     cache = _cache_dir() / f"quality-ref-{key}.npz"
-    if resume and cache.exists():
+    if resume and cache.exists() and "again" in np.load(cache).files:
         z = np.load(cache)
-        ref_lp, ref_samples, ref_other = z["lp"], z["samples"], z["other"]
+        ref_lp, ref_samples, ref_other, ref_again = z["lp"], z["samples"], z["other"], z["again"]
         ref_check = json.loads(str(z["check"]))
         log(f"[quality] reference from {cache}")
     else:
@@ -300,6 +301,7 @@ def run(
         ref_lp = np.concatenate(parts)
         ref_samples = sc.sample(prompts, seed_list, sample_tokens, temperature, top_p)
         ref_other = sc.sample(prompts, seed_list + 7919, sample_tokens, temperature, top_p)
+        ref_again = sc.sample(prompts, seed_list, sample_tokens, temperature, top_p)  # a second draw
         ref_check = {}
         if reference_check:  # paged float32 scoring vs one unpaged full forward of each document
             k = min(4, D)
@@ -307,7 +309,7 @@ def run(
             ref_check = {"documents": k, "max_abs_logprob_diff_vs_full_forward": float(max(diffs))}
             log(f"[quality] reference check: paged scoring vs full forward max |dlogp| = {max(diffs):.2e}")
         cache.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(cache, lp=ref_lp, samples=ref_samples, other=ref_other, check=json.dumps(ref_check))
+        np.savez(cache, lp=ref_lp, samples=ref_samples, other=ref_other, again=ref_again, check=json.dumps(ref_check))
         log(f"[quality] reference scored in {time.perf_counter() - t:.1f}s")
     del ref_llm
 
@@ -328,7 +330,7 @@ def run(
         "reference": True,
         "phases": {p: _phase_stats(*_metrics_vs_ref(ref_lp[:, sl], ref_lp[:, sl], targets[:, sl]), slice(None),
                                    n_boot, seed) for p, sl in phases.items()},
-        "sampling": _sample_stats(ref_samples, ref_samples, n_prompts, seeds, n_boot, seed),
+        "sampling": _sample_stats(ref_again, ref_samples, n_prompts, seeds, n_boot, seed),
         "sampling_other_seeds": _sample_stats(ref_other, ref_samples, n_prompts, seeds, n_boot, seed),
     }
     for cname, kv, pre, dec in parsed:

@@ -53,6 +53,11 @@ def resolve_architecture(raw: dict[str, Any]) -> Architecture:
     )
 
 
+def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
+    """A HF ``config.json`` dict -> ModelConfig, parsed by the architecture it names."""
+    return resolve_architecture(raw).parse_config(raw)
+
+
 def get_architecture(cfg: ModelConfig) -> Architecture:
     return _REGISTRY[cfg.architecture]
 

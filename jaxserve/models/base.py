@@ -68,13 +68,14 @@ class CausalLM(nnx.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.rope_dim = rope_dim
-        self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+        # cfg.vocab_rows: the vocabulary padded to split evenly over devices (cut off in __call__)
+        self.embed = param(rngs, (cfg.vocab_rows, cfg.hidden_size), ("vocab", "embed"), dtype)
         self.layers = nnx.List(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
+            else param(rngs, (cfg.hidden_size, cfg.vocab_rows), ("embed", "vocab"), dtype)
         )
 
     def __call__(
@@ -98,6 +99,8 @@ class CausalLM(nnx.Module):
             logits = tied_head(x, self.embed)
         else:
             logits = linear(x, self.lm_head, out_dtype=jnp.float32)
+        if self.cfg.vocab_rows != self.cfg.vocab_size:  # padded ids: never sampled, never in log-probs
+            logits = logits[..., : self.cfg.vocab_size]
         return logits, tuple(new_kv)
 
     def init_kv(self, num_pages: int, page_size: int, fmt: KVFormat) -> tuple:

@@ -6,7 +6,6 @@ loop; anything wrong with the input raises ``ServeError`` with the right status 
 """
 from __future__ import annotations
 
-import collections
 import hashlib
 import json
 
@@ -91,36 +90,15 @@ def timing(ttft_s: float | None, total_s: float) -> pb.Timing:
 
 
 # ---------------------------------------------------------------------- model identity
-def weights_dtype(params) -> str:
-    """The loaded weights' float dtype: the one holding the most elements."""
-    counts = collections.Counter()
-    for leaf in params:
-        dt = np.dtype(leaf.dtype)
-        if dt.kind == "f" or dt.name == "bfloat16":
-            counts[dt.name] += int(np.prod(leaf.shape))
-    return counts.most_common(1)[0][0] if counts else "unknown"
-
-
-def loaded_dtype(llm) -> str:
-    """The dtype the model was loaded in (activations; the weights unless quantized)."""
-    dtype = getattr(llm, "dtype", None)
-    return str(getattr(dtype, "__name__", None) or dtype) if dtype is not None else weights_dtype(llm.runner.params)
-
-
 def phase_formats(llm) -> dict[str, dict[str, str]]:
-    """Weight and KV formats per phase. Both phases share the loaded dtype and the KV pool
-    today; a config that names per-phase formats (prefill_weights, ...) takes precedence."""
-    cfg = llm.engine.config
-    dtype = loaded_dtype(llm)
+    """Weight and KV formats per phase: the weight format each phase's program reads
+    (``ModelRunner.weight_formats``: prefill reads the decode copy under
+    prefill_from_decode_weights; unset = as loaded, reported as the loaded dtype) and the KV
+    format of the one page pool both phases share."""
     paths = llm.runner.weight_paths()
-    out = {}
-    for phase in ("prefill", "decode"):
-        out[phase] = {
-            "weights": str(getattr(cfg, f"{phase}_weights", None) or dtype),
-            "kv_cache": str(getattr(cfg, f"{phase}_kv_format", None) or llm.fmt.name),
-            "matmul_path": paths[phase],
-        }
-    return out
+    return {phase: {"weights": str(llm.runner.weight_formats[phase] or llm.dtype), "kv_cache": llm.fmt.name,
+                    "matmul_path": paths[phase]}
+            for phase in ("prefill", "decode")}
 
 
 def fingerprint(params, formats: dict) -> str:
@@ -143,7 +121,7 @@ def model_info(llm, max_waiting: int, replica_id: str) -> pb.ModelInfo:
     return pb.ModelInfo(
         architecture=llm.cfg.architecture,
         model=str(getattr(llm, "model_path", "")),
-        dtype=loaded_dtype(llm),
+        dtype=llm.dtype,
         prefill=pb.PhaseFormats(**formats["prefill"]),
         decode=pb.PhaseFormats(**formats["decode"]),
         page_size=eng.config.page_size,

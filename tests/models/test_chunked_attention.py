@@ -1,7 +1,9 @@
 """The serving attention reads the cached context from pages in chunks with an online softmax
 (``gqa_attention_paged`` / ``mla_attention_paged``); it must equal the one-shot softmax over
 the whole gathered context (``gqa_attention`` / ``mla_attention``), for contexts that end
-inside a chunk, on a chunk boundary, span several chunks, are empty, and for padding rows."""
+inside a chunk, on a chunk boundary, span several chunks, are empty, and for padding rows.
+The loop must stop at the batch's longest context: table entries past it point at a page
+filled with NaN, which would reach the output (0 * NaN) if any chunk there were read."""
 from __future__ import annotations
 
 import jax
@@ -15,6 +17,7 @@ from jaxserve.models import attention
 
 PAGE = 4
 NUM_PAGES = 40
+POISON = NUM_PAGES  # one extra page, all NaN: pointed at only where nothing may be read
 
 
 def _setup(seed, b, width, cached, new_lens):
@@ -32,17 +35,32 @@ def _setup(seed, b, width, cached, new_lens):
 
 def _filled_pools(rng, fmt, shapes: dict, headed: bool) -> dict:
     """Pools {name: shape} with every page filled with random values (what other requests left
-    there must stay invisible)."""
+    there must stay invisible), plus the page POISON filled with NaN."""
     pools = {}
     for name, shape in shapes.items():
         pools.update(paged.new_pool(fmt, shape, name))
-    pg = jnp.repeat(jnp.arange(NUM_PAGES), PAGE)[None]
-    off = jnp.tile(jnp.arange(PAGE), NUM_PAGES)[None]
+    pg = jnp.repeat(jnp.arange(NUM_PAGES + 1), PAGE)[None]
+    off = jnp.tile(jnp.arange(PAGE), NUM_PAGES + 1)[None]
     for name, shape in shapes.items():
         per_token = (shape[0], shape[-1]) if headed else (shape[-1],)
-        vals = jnp.asarray(rng.standard_normal((1, NUM_PAGES * PAGE) + per_token), jnp.float32)
-        pools = paged.store(fmt, pools, name, vals, pg, off, headed=headed)
+        vals = rng.standard_normal((1, (NUM_PAGES + 1) * PAGE) + per_token).astype(np.float32)
+        vals[:, NUM_PAGES * PAGE:] = np.nan
+        pools = paged.store(fmt, pools, name, jnp.asarray(vals), pg, off, headed=headed)
+        poison = paged.load(fmt, pools, name, jnp.full((1, 1), POISON, jnp.int32), jnp.float32, headed=headed)
+        assert np.isnan(np.asarray(poison)).all()  # the poison survives the format
     return pools
+
+
+def _poison_past_loop(table, cached, width, chunk):
+    """The table with every entry past the chunks the loop must read pointing at POISON
+    (None when the loop reads the whole table)."""
+    n_chunk = attention.chunk_pages(PAGE, width, chunk)
+    last = -(-max(cached) // (n_chunk * PAGE)) * n_chunk
+    if last >= width:
+        return None
+    poisoned = np.array(table)
+    poisoned[:, last:] = POISON
+    return jnp.asarray(poisoned)
 
 
 def _causal(new_lens, t):
@@ -66,7 +84,7 @@ def test_gqa_chunked_equals_one_shot(case, fmt_name):
     b, kvh, g, d = len(cached), 2, 3, 8
     fmt = get_kv_format(fmt_name)
     rng, table = _setup(0, b, width, cached, new_lens)
-    pools = _filled_pools(rng, fmt, {n: (kvh, NUM_PAGES, PAGE, d) for n in ("k", "v")}, headed=True)
+    pools = _filled_pools(rng, fmt, {n: (kvh, NUM_PAGES + 1, PAGE, d) for n in ("k", "v")}, headed=True)
     q = jnp.asarray(rng.standard_normal((b, t, kvh * g, d)), jnp.float32)
     nk = jnp.asarray(rng.standard_normal((b, t, kvh, d)), jnp.float32)
     nv = jnp.asarray(rng.standard_normal((b, t, kvh, d)), jnp.float32)
@@ -82,13 +100,10 @@ def test_gqa_chunked_equals_one_shot(case, fmt_name):
     valid = np.arange(t)[None, :] < np.asarray(new_lens)[:, None]  # [B, T]: real new tokens
     np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=2e-5, rtol=1e-5)
     assert np.isfinite(np.asarray(got)).all()  # padding rows: zeros, not NaN
-    # The loop really stops at the longest context: poisoning pages past it changes nothing.
-    n_chunk = attention.chunk_pages(PAGE, width, chunk)
-    last = -(-max(cached) // (n_chunk * PAGE)) * n_chunk
-    if last < width:
-        poisoned = np.array(table)
-        poisoned[:, last:] = 0
-        again = attention.gqa_attention_paged(q, pools, fmt, jnp.asarray(poisoned), cl, nk, nv, causal, 0.3, PAGE,
+    # The loop really stops at the longest context: NaN pages past it change nothing.
+    poisoned = _poison_past_loop(table, cached, width, chunk)
+    if poisoned is not None:
+        again = attention.gqa_attention_paged(q, pools, fmt, poisoned, cl, nk, nv, causal, 0.3, PAGE,
                                               chunk_tokens=chunk)
         np.testing.assert_array_equal(np.asarray(again), np.asarray(got))
 
@@ -100,7 +115,8 @@ def test_mla_chunked_equals_one_shot(case, fmt_name):
     b, h, r, dr = len(cached), 3, 16, 4
     fmt = get_kv_format(fmt_name)
     rng, table = _setup(1, b, width, cached, new_lens)
-    pools = _filled_pools(rng, fmt, {"latent": (NUM_PAGES, PAGE, r), "rope": (NUM_PAGES, PAGE, dr)}, headed=False)
+    pools = _filled_pools(rng, fmt, {"latent": (NUM_PAGES + 1, PAGE, r), "rope": (NUM_PAGES + 1, PAGE, dr)},
+                          headed=False)
     ql = jnp.asarray(rng.standard_normal((b, t, h, r)), jnp.float32)
     qr = jnp.asarray(rng.standard_normal((b, t, h, dr)), jnp.float32)
     nl = jnp.asarray(rng.standard_normal((b, t, r)), jnp.float32)
@@ -116,6 +132,11 @@ def test_mla_chunked_equals_one_shot(case, fmt_name):
     valid = np.arange(t)[None, :] < np.asarray(new_lens)[:, None]  # [B, T]: real new tokens
     np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=2e-5, rtol=1e-5)
     assert np.isfinite(np.asarray(got)).all()
+    poisoned = _poison_past_loop(table, cached, width, chunk)
+    if poisoned is not None:
+        again = attention.mla_attention_paged(ql, qr, pools, fmt, poisoned, cl, nl, nr, causal, 0.2, PAGE,
+                                              chunk_tokens=chunk)
+        np.testing.assert_array_equal(np.asarray(again), np.asarray(got))
 
 
 def test_gathered_slots_follow_the_longest_context():

@@ -1,7 +1,10 @@
 """Generation over gRPC gives exactly what the Python API gives (unary, streaming, many at
 once), with usage, cached tokens, ids, sessions, tokenizer RPCs and model info."""
+import hashlib
+import json
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 from jaxserve.client import finish_reason
@@ -103,6 +106,37 @@ def test_tokenize_and_detokenize_match_the_tokenizer(served, llm):
     assert chat == llm.tokenizer.encode(llm.apply_chat_template("hi"))
 
 
+def test_async_client_has_the_client_methods(served, llm, cases):
+    """AsyncClient offers every public method of Client, as coroutines, with the same answers."""
+    import asyncio
+
+    from jaxserve.client import AsyncClient, Client
+
+    def public(cls):
+        return {n for n in vars(cls) if not n.startswith("_") and callable(getattr(cls, n))}
+
+    assert public(Client) - {"__enter__", "__exit__"} <= public(AsyncClient)
+    text = "The capital of France is Paris."
+    prompt, kw, want = cases["ids_greedy"]
+
+    async def run():
+        async with AsyncClient(served.target, timeout=60) as c:
+            await c.wait_ready(timeout=30)
+            ids = await c.tokenize(text)
+            chat = await c.tokenize("hi", chat_template=True)
+            back = await c.detokenize(ids)
+            r = await c.generate(prompt, **kw)
+        async with AsyncClient("127.0.0.1:1") as dead:  # nothing listens there
+            with pytest.raises(TimeoutError, match="not SERVING"):
+                await dead.wait_ready(timeout=0.3, poll=0.05)
+        return ids, chat, back, r
+
+    ids, chat, back, r = asyncio.run(run())
+    assert ids == llm.tokenizer.encode(text) and back == llm.tokenizer.decode(ids)
+    assert chat == llm.tokenizer.encode(llm.apply_chat_template("hi"))
+    assert list(r.token_ids) == list(want.token_ids)
+
+
 def test_model_info_reports_formats_pool_and_fingerprint(served, llm):
     from jaxserve.server.convert import fingerprint, phase_formats
 
@@ -119,7 +153,29 @@ def test_model_info_reports_formats_pool_and_fingerprint(served, llm):
     assert info.vocab_size == 49152 and info.has_tokenizer and list(info.eos_token_ids) == [2]
     assert info.kv_pages.total == 63 and info.kv_pages.used == 0
     assert info.replica_id == "test-replica" and info.max_waiting > 0 and info.integrity_check
-    assert len(info.fingerprint) == 64
-    assert info.fingerprint == fingerprint(llm.runner.params, phase_formats(llm))
-    other = dict(phase_formats(llm), decode={"weights": "int4_g128", "kv_cache": "fp8_e4m3"})
+    # The served fingerprint is the documented digest of the served weights, built here straight
+    # from hashlib: per weight "index:dtype:shape;" and its raw bytes, then the formats as JSON.
+    h = hashlib.sha256()
+    for i, leaf in enumerate(llm.runner.params):
+        a = np.asarray(leaf)
+        h.update(f"{i}:{a.dtype.name}:{a.shape};".encode() + a.tobytes(order="C"))
+    h.update(json.dumps(phase_formats(llm), sort_keys=True).encode())
+    assert info.fingerprint == h.hexdigest()
+    other = dict(phase_formats(llm), decode={"weights": "int4:g128", "kv_cache": "fp8_e4m3"})
     assert fingerprint(llm.runner.params, other) != info.fingerprint  # formats are part of it
+
+
+def test_fingerprint_known_values():
+    """Digests of literal inputs, computed by hand with hashlib: every byte, dtype and shape
+    of every weight, and the formats, count."""
+    from jaxserve.server.convert import fingerprint
+
+    w = [np.array([1.0, -2.0], np.float32), np.arange(6, dtype=np.int8).reshape(2, 3)]
+    data = (b"0:float32:(2,);" + bytes.fromhex("0000803f000000c0")
+            + b"1:int8:(2, 3);" + bytes(range(6)) + b'{"decode": "int4:g128"}')
+    assert fingerprint(w, {"decode": "int4:g128"}) == hashlib.sha256(data).hexdigest()
+    assert fingerprint([], {}) == hashlib.sha256(b"{}").hexdigest()
+    changed = [w[0], w[1].copy()]
+    changed[1][1, 2] = 7  # one byte of the last weight
+    assert fingerprint(changed, {"decode": "int4:g128"}) != fingerprint(w, {"decode": "int4:g128"})
+    assert fingerprint([w[1].reshape(3, 2)], {}) != fingerprint([w[1]], {})  # same bytes, another shape
