@@ -262,8 +262,7 @@ def _is_complete(path: Path) -> bool:
 
 
 def remove_stale_conversions() -> list[Path]:
-    """Delete temporary conversion directories left in the cache by killed processes
-    (a conversion still running elsewhere keeps its directory); returns what was removed."""
+    """Delete the temporary directories of killed conversions (a live one's stays); -> removed."""
     return remove_stale(cache_root(), CONVERSION_TMP_PREFIX)
 
 
@@ -273,8 +272,7 @@ def default_model_dir(progress: bool = True) -> Path:
 
     The conversion is written to a temporary sibling directory, stamped with a marker,
     then renamed into place, so an interrupted or concurrent conversion is never mistaken
-    for a complete one. The temporary directory is locked by its process while it exists,
-    so leftovers of a killed conversion are removed the next time this runs.
+    for a complete one; the leftovers of a killed one are removed the next time this runs.
     """
     root = cache_root()
     remove_stale_conversions()
@@ -291,8 +289,7 @@ def default_model_dir(progress: bool = True) -> Path:
             "source_bytes": gguf_path.stat().st_size,
             "wheel_version": importlib.metadata.version(DEFAULT_MODEL_WHEEL),
         })
-        # mkdtemp makes a private (0700) directory; give the cache entry normal permissions.
-        umask = os.umask(0)
+        umask = os.umask(0)  # mkdtemp's directory is private (0700): give the cache entry normal ones
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)
         if final.exists() and not _is_complete(final):

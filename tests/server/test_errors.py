@@ -154,3 +154,67 @@ def test_unexpected_engine_exception_is_internal_and_serving_continues(served, c
 def test_generate_before_warmup_is_unavailable(served):
     assert served.boot["generate"] == grpc.StatusCode.UNAVAILABLE
 
+
+
+# name -> (build_request keywords, x-session-affinity header, words the message must contain)
+BAD_IDS = {
+    "non-ASCII request id": (dict(request_id="caf\u00e9"), None, "request_id contains '\u00e9'"),
+    "control character in session id": (dict(session_id="a\nb"), None, "session_id contains '\\n'"),
+    "space in request id": (dict(request_id="a b"), None, "request_id contains ' '"),
+    "request id over the limit": (dict(request_id="r" * 257), None, "257 characters long; the limit is 256"),
+    "20 KiB session id": (dict(session_id="s" * 20480), None, "the limit is 256"),
+    "session header over the limit": ({}, "h" * 257, "x-session-affinity is 257 characters long"),
+    "space in session header": ({}, "a b", "x-session-affinity contains ' '"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_IDS))
+def test_bad_ids_are_invalid_before_anything_runs(served, name):
+    from jaxserve.client import build_request
+
+    kw, header, words = BAD_IDS[name]
+    req = build_request([5, 6, 7], max_tokens=2, **kw)
+    md = (("x-session-affinity", header),) if header else None
+    before = served.metrics()
+    for rpc in (served.client.stub.Generate, lambda r, **k: list(served.client.stub.GenerateStream(r, **k))):
+        with pytest.raises(grpc.RpcError) as e:
+            rpc(req, metadata=md)
+        assert e.value.code() == INVALID, (name, e.value.code(), e.value.details())
+        assert words in e.value.details(), e.value.details()
+    after = served.metrics()
+    assert after[("jaxserve_prompt_tokens_total", ())] == before[("jaxserve_prompt_tokens_total", ())]  # never ran
+
+
+def test_ids_at_the_limit_run_and_are_echoed_in_headers(served, cases):
+    from jaxserve.client import build_request
+
+    p, kw, want = cases["ids_greedy"]
+    rid, session = "~" + "r" * 254 + "!", "s" * 256
+    r, call = served.client.stub.Generate.with_call(build_request(p, request_id=rid, session_id=session, **kw))
+    assert list(r.token_ids) == list(want) and r.request_id == rid and r.session_id == session
+    headers = dict(call.initial_metadata())
+    assert headers["x-request-id"] == rid and headers["x-session-affinity"] == session
+
+
+def test_id_options_that_cannot_be_echoed_are_refused():
+    from jaxserve.server.convert import check_id_options
+
+    check_id_options(4096, "replica-1:50051")
+    for max_id_length, replica in ((0, None), (4097, None), (256, "replica one"), (256, "r\u00e9plica")):
+        with pytest.raises(ValueError):
+            check_id_options(max_id_length, replica)
+
+
+@pytest.mark.parametrize("method,streaming,message", [
+    ("Generate", False, "GenerateRequest"), ("GenerateStream", True, "GenerateRequest"),
+    ("Tokenize", False, "TokenizeRequest"), ("Detokenize", False, "DetokenizeRequest"),
+    ("GetModelInfo", False, "GetModelInfoRequest"), ("Abort", False, "AbortRequest")])
+def test_bytes_that_are_not_a_message_are_invalid_argument(served, caplog, method, streaming, message):
+    path = f"/jaxserve.v1.JaxServe/{method}"
+    with pytest.raises(grpc.RpcError) as e:
+        if streaming:
+            list(served.client.channel.unary_stream(path)(b"\x0a\xff", timeout=10))
+        else:
+            served.client.channel.unary_unary(path)(b"\x0a\xff", timeout=10)
+    assert e.value.code() == INVALID and f"malformed jaxserve.v1.{message}" in e.value.details()
+    assert not [r for r in caplog.records if r.levelno >= 40]  # no traceback logged
