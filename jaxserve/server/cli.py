@@ -2,8 +2,8 @@
 add them to an argparse subparsers object; ``python -m jaxserve.server.cli`` runs them alone.
 
 Heavy imports (jax, the model) happen inside ``run_serve``, so the client never loads jax.
-SIGTERM / SIGINT end ``serve`` with exit code 0 at any point: before the server is up it
-stops at once; afterwards it drains (``Server.stop``).
+SIGTERM / SIGINT end ``serve`` with exit code 0 at any point: while loading it exits at once;
+once the server is bound it drains (``Server.stop``), without waiting for a warm-up compile.
 """
 from __future__ import annotations
 
@@ -67,23 +67,21 @@ def register_serve(sub) -> None:
     p.set_defaults(func=run_serve)
 
 
-class _Stopped(BaseException):
-    """SIGTERM / SIGINT before the event loop took the signals over (loading, compiling)."""
-
-
-def _stop_now(signum, frame):
-    raise _Stopped(signal.Signals(signum).name)
+def _exit_now(signum, frame):
+    """SIGTERM / SIGINT before the event loop took the signals over (imports, model load):
+    nothing is bound or running yet, so the process just ends, at once and with code 0.
+    (Raising instead would be lost whenever the signal lands in a callback such as a gc hook.)
+    A conversion of the default model cut short here leaves a directory the next start removes."""
+    # os.write, not print: the signal may have interrupted a print on the main thread.
+    os.write(1, f"jaxserve: {signal.Signals(signum).name} before serving; stopped\n".encode())
+    os._exit(0)
 
 
 def run_serve(args) -> int:
     for sig in _SIGNALS:  # until _serve's event loop takes them over
-        signal.signal(sig, _stop_now)
+        signal.signal(sig, _exit_now)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        code, engine_stopped = _run(args)
-    except _Stopped as e:
-        print(f"jaxserve: {e} before serving; stopped", flush=True)
-        return 0
+    code, engine_stopped = _run(args)
     for sig in _SIGNALS:  # drained: a late signal must not turn exit code 0 into a kill
         signal.signal(sig, signal.SIG_IGN)
     if not engine_stopped:
@@ -108,6 +106,7 @@ def _run(args) -> tuple[int, bool]:
     convert.check_id_options(args.max_id_length, args.replica_id)
     for path in remove_stale_conversions():
         log.info("removed %s, left by a conversion whose process died", path)
+    log.info("loading %s", args.model or "the default model")
     ensure_cpu_devices(args.num_devices)
     enable_compile_cache()
     from jaxserve.llm import LLM
@@ -152,8 +151,9 @@ async def _serve(args, llm, keys, credentials) -> tuple[int, bool]:
     await server.start()
     security = (f"{'TLS' if credentials is not None else 'plaintext'}, "
                 f"{f'{len(keys)} API key(s)' if keys.enabled else 'no API key'}")
-    print(f"jaxserve: listening on {server.target} ({security}; metrics {server.metrics_target}); warming up "
-          f"(health NOT_SERVING until done)", flush=True)
+    # "metrics port N)" is parsed by scripts (bench/load_test.py): keep it last in the parentheses.
+    print(f"jaxserve: listening on {server.target} ({security}, metrics on {args.metrics_host}, "
+          f"metrics port {server.metrics_port}); warming up (health NOT_SERVING until done)", flush=True)
     _warn_if_exposed(args.host, keys, credentials)
     ready = asyncio.ensure_future(server.wait_ready())
     stopping = asyncio.ensure_future(stop.wait())

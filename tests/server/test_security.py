@@ -106,7 +106,8 @@ def test_serve_with_mtls_and_api_keys(tiny_text_model, cases, tmp_path, capsys, 
     with ServeProcess(args, env) as server:
         listening = server.wait_for("listening on", timeout=120)
         assert "TLS, 2 API key(s)" in listening, listening
-        metrics_port = int(listening.split("metrics 127.0.0.1:")[1].split(")")[0])
+        assert "metrics on 127.0.0.1," in listening, listening
+        metrics_port = int(listening.split("metrics port ")[1].split(")")[0])
         target = server.wait_for("SERVING on", timeout=120).split("SERVING on ")[1].split()[0]
         assert target.startswith("127.0.0.2:")
         prompt, kw, want = cases["ids_greedy"]

@@ -1,5 +1,6 @@
-"""`jaxserve serve` as a process: SIGTERM during warm-up exits at once with code 0, and a
-start removes the temporary conversion directories of killed processes (not a live one's)."""
+"""`jaxserve serve` as a process: SIGTERM while loading or during warm-up exits at once with
+code 0, and a start removes the temporary conversion directories of killed processes (not a
+live one's)."""
 import os
 import signal
 import time
@@ -7,7 +8,7 @@ import time
 from jaxserve.checkpoint.gguf import CONVERSION_TMP_PREFIX
 from jaxserve.checkpoint.tmpdirs import LOCK_SUFFIX, UNLOCKED_STALE_S, owned_tmpdir
 
-from .serve_process import ServeProcess, serve_args
+from .serve_process import ServeProcess, serve_args, server_env
 
 
 def _plant_leftovers(cache):
@@ -45,3 +46,15 @@ def test_sigterm_during_warmup_exits_promptly_with_code_0_and_stale_conversions_
     assert "jaxserve: stopped" in out and "Traceback" not in out, out
     assert took < 10, f"{took:.1f}s from SIGTERM to exit\n{out}"
     assert sorted(p.name for p in cache.iterdir() if p.name.startswith(CONVERSION_TMP_PREFIX)) == []
+
+
+def test_sigterm_while_loading_the_model_exits_at_once_with_code_0(tiny_text_model):
+    with ServeProcess(serve_args(tiny_text_model, "--log-level", "info"), server_env()) as server:
+        server.wait_for("loading", timeout=60)
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        rc = server.wait(timeout=20)
+        took = time.monotonic() - t0
+        out = server.output
+    assert rc == 0 and "SIGTERM before serving; stopped" in out and "listening on" not in out, out
+    assert "Traceback" not in out and took < 5, (took, out)
