@@ -15,12 +15,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxserve.server import convert, handlers
+from jaxserve.server import convert
 from jaxserve.server.auth import ApiKeys
 from jaxserve.server.engine_loop import EngineLoop
+from jaxserve.server.guard import RequestGuard
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.service import JaxServeService
 from jaxserve.v1 import jaxserve_pb2 as pb
+from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger("jaxserve.server")
 
@@ -70,10 +72,12 @@ class Server:
         self.engine_loop = EngineLoop(self.llm.engine, self.metrics, loop, self._on_ready, self._on_failed)
         self.service = JaxServeService(self.llm, self.engine_loop, self.metrics, self.info, self.max_waiting,
                                        keys=self.keys, max_id_length=self.max_id_length)
-        # so_reuseport off: a second server asking for a busy port must fail, not share it.
-        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        handlers.add_service(self.service, self._grpc, self.keys, self.metrics)  # API key checked here
-        # Health and reflection stay open (no key): probes need them, and the schema is public.
+        # so_reuseport off: a second server asking for a busy port must fail, not share it. The
+        # guard checks API keys (JaxServe only: health and reflection stay open, probes need them
+        # and the schema is public) and turns unparsable request bytes into INVALID_ARGUMENT.
+        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
+                                     interceptors=[RequestGuard(self.keys, self.metrics)])
+        pb_grpc.add_JaxServeServicer_to_server(self.service, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
         address = f"{self.host}:{self.port}"

@@ -205,16 +205,25 @@ def test_id_options_that_cannot_be_echoed_are_refused():
             check_id_options(max_id_length, replica)
 
 
-@pytest.mark.parametrize("method,streaming,message", [
-    ("Generate", False, "GenerateRequest"), ("GenerateStream", True, "GenerateRequest"),
-    ("Tokenize", False, "TokenizeRequest"), ("Detokenize", False, "DetokenizeRequest"),
-    ("GetModelInfo", False, "GetModelInfoRequest"), ("Abort", False, "AbortRequest")])
-def test_bytes_that_are_not_a_message_are_invalid_argument(served, caplog, method, streaming, message):
-    path = f"/jaxserve.v1.JaxServe/{method}"
+@pytest.mark.parametrize("path,kind,message", [
+    ("/jaxserve.v1.JaxServe/Generate", "unary", "jaxserve.v1.GenerateRequest"),
+    ("/jaxserve.v1.JaxServe/GenerateStream", "stream", "jaxserve.v1.GenerateRequest"),
+    ("/jaxserve.v1.JaxServe/Tokenize", "unary", "jaxserve.v1.TokenizeRequest"),
+    ("/jaxserve.v1.JaxServe/Detokenize", "unary", "jaxserve.v1.DetokenizeRequest"),
+    ("/jaxserve.v1.JaxServe/GetModelInfo", "unary", "jaxserve.v1.GetModelInfoRequest"),
+    ("/jaxserve.v1.JaxServe/Abort", "unary", "jaxserve.v1.AbortRequest"),
+    ("/grpc.health.v1.Health/Check", "unary", "grpc.health.v1.HealthCheckRequest"),
+    ("/grpc.health.v1.Health/Watch", "stream", "grpc.health.v1.HealthCheckRequest"),
+    ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", "bidi", "ServerReflectionRequest")])
+def test_bytes_that_are_not_a_message_are_invalid_argument(served, caplog, path, kind, message):
+    channel = served.client.channel
     with pytest.raises(grpc.RpcError) as e:
-        if streaming:
-            list(served.client.channel.unary_stream(path)(b"\x0a\xff", timeout=10))
+        if kind == "stream":
+            list(channel.unary_stream(path)(b"\x0a\xff", timeout=10))
+        elif kind == "bidi":
+            list(channel.stream_stream(path)(iter([b"\x0a\xff"]), timeout=10))
         else:
-            served.client.channel.unary_unary(path)(b"\x0a\xff", timeout=10)
-    assert e.value.code() == INVALID and f"malformed jaxserve.v1.{message}" in e.value.details()
+            channel.unary_unary(path)(b"\x0a\xff", timeout=10)
+    details = e.value.details()
+    assert e.value.code() == INVALID and f"malformed request to {path}" in details and message in details
     assert not [r for r in caplog.records if r.levelno >= 40]  # no traceback logged

@@ -14,8 +14,12 @@ from hypothesis import strategies as st
 from jaxserve.v1 import jaxserve_pb2 as pb
 
 SERVICE = "/jaxserve.v1.JaxServe/"
-METHODS = {"Generate": False, "GenerateStream": True, "Tokenize": False, "Detokenize": False,
-           "GetModelInfo": False, "Abort": False}  # name -> server streaming
+# path -> kind; health and reflection get raw bytes too (their messages are not ours to fuzz).
+METHODS = {SERVICE + name: kind for name, kind in (
+    ("Generate", "unary"), ("GenerateStream", "stream"), ("Tokenize", "unary"), ("Detokenize", "unary"),
+    ("GetModelInfo", "unary"), ("Abort", "unary"))}
+METHODS.update({"/grpc.health.v1.Health/Check": "unary", "/grpc.health.v1.Health/Watch": "stream",
+                "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": "bidi"})
 BUGS = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 SETTINGS = dict(derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -101,15 +105,22 @@ def _other_requests():
 
 def _call(channel, method: str, data: bytes, metadata=None):
     """Send raw bytes (identity serializers) -> (status code, details)."""
-    path = SERVICE + method
+    path = method if method.startswith("/") else SERVICE + method
+    kind = METHODS[path]
     try:
-        if METHODS[method]:
-            for _ in channel.unary_stream(path)(data, timeout=60, metadata=metadata):
-                pass
-        else:
+        if kind == "unary":
             channel.unary_unary(path)(data, timeout=60, metadata=metadata)
+        else:
+            call = (channel.unary_stream(path)(data, timeout=5, metadata=metadata) if kind == "stream" else
+                    channel.stream_stream(path)(iter([data]), timeout=5, metadata=metadata))
+            for _ in call:
+                if path.endswith("/Watch"):  # an open-ended stream: its first answer is enough
+                    call.cancel()
+                    break
         return grpc.StatusCode.OK, ""
     except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.CANCELLED and path.endswith("/Watch"):
+            return grpc.StatusCode.OK, ""
         return e.code(), e.details()
 
 
