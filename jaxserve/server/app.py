@@ -16,7 +16,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.server import convert
+from jaxserve.server.auth import ApiKeys
 from jaxserve.server.engine_loop import EngineLoop
+from jaxserve.server.guard import RequestGuard
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.service import JaxServeService
 from jaxserve.v1 import jaxserve_pb2 as pb
@@ -33,17 +35,25 @@ class Server:
     """Serve `llm` (a jaxserve.LLM) on host:port.
 
     port 0 picks a free port (read ``.port`` after ``start``); metrics_port None turns the
-    metrics endpoint off, 0 picks a free port. max_waiting: requests accepted but not yet
-    admitted before new ones get RESOURCE_EXHAUSTED. The weights are hashed here, once,
-    for the fingerprint in GetModelInfo.
+    metrics endpoint off, 0 picks a free port; it binds metrics_host (loopback by default,
+    whatever `host` is: the endpoint has no authentication). max_waiting: requests accepted
+    but not yet admitted before new ones get RESOURCE_EXHAUSTED. credentials: a
+    grpc.ServerCredentials (``auth.server_credentials``) for TLS, None = plaintext. keys:
+    the API keys (``auth.ApiKeys``; none = no authentication). max_id_length: the longest
+    request / session id accepted. The weights are hashed here, once, for the fingerprint
+    in GetModelInfo.
     """
 
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = 0,
-                 max_waiting: int = 256, replica_id: str | None = None):
+                 max_waiting: int = 256, replica_id: str | None = None, metrics_host: str = "127.0.0.1",
+                 credentials=None, keys: ApiKeys | None = None, max_id_length: int = convert.MAX_ID_LENGTH):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        convert.check_id_options(max_id_length, replica_id)
         self.llm = llm
-        self.host, self.port, self.metrics_port = host, port, metrics_port
+        self.host, self.port, self.metrics_port, self.metrics_host = host, port, metrics_port, metrics_host
+        self.credentials, self.keys, self.max_id_length = credentials, keys or ApiKeys(), max_id_length
+        self.engine_stopped = True  # False if stop() left a warm-up still compiling
         self.max_waiting = max_waiting
         self.metrics = ServerMetrics()
         self.info = convert.model_info(llm, max_waiting, replica_id or "")
@@ -60,13 +70,21 @@ class Server:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _NOT_SERVING)
         self.engine_loop = EngineLoop(self.llm.engine, self.metrics, loop, self._on_ready, self._on_failed)
-        self.service = JaxServeService(self.llm, self.engine_loop, self.metrics, self.info, self.max_waiting)
-        # so_reuseport off: a second server asking for a busy port must fail, not share it.
-        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.service = JaxServeService(self.llm, self.engine_loop, self.metrics, self.info, self.max_waiting,
+                                       keys=self.keys, max_id_length=self.max_id_length)
+        # so_reuseport off: a second server asking for a busy port must fail, not share it. The
+        # guard checks API keys (JaxServe only: health and reflection stay open, probes need them
+        # and the schema is public) and turns unparsable request bytes into INVALID_ARGUMENT.
+        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
+                                     interceptors=[RequestGuard(self.keys, self.metrics)])
         pb_grpc.add_JaxServeServicer_to_server(self.service, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
-        self.port = self._grpc.add_insecure_port(f"{self.host}:{self.port}")
+        address = f"{self.host}:{self.port}"
+        if self.credentials is None:
+            self.port = self._grpc.add_insecure_port(address)
+        else:
+            self.port = self._grpc.add_secure_port(address, self.credentials)
         # The default replica id names the port actually bound (a router's key for this replica).
         self.info.replica_id = self._replica_id or f"{socket.gethostname()}:{self.port}"
         self.metrics.info.info({
@@ -77,8 +95,10 @@ class Server:
         })
         await self._grpc.start()
         if self.metrics_port is not None:
-            self._http, _, self.metrics_port = self.metrics.serve_http(self.metrics_port, self.host)
-        log.info("listening on %s:%d (metrics %s); warming up", self.host, self.port, self.metrics_port)
+            self._http, _, self.metrics_port = self.metrics.serve_http(self.metrics_port, self.metrics_host)
+        log.info("listening on %s:%d (%s, %s; metrics %s); warming up", self.host, self.port,
+                 "TLS" if self.credentials is not None else "plaintext",
+                 f"{len(self.keys)} API key(s)" if self.keys.enabled else "no API key", self.metrics_target)
         for phase in ("prefill", "decode"):
             log.info("%s matmuls: %s", phase, getattr(self.info, phase).matmul_path)
         m = self.info.memory
@@ -91,6 +111,10 @@ class Server:
     @property
     def target(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def metrics_target(self) -> str:
+        return f"{self.metrics_host}:{self.metrics_port}" if self.metrics_port is not None else "off"
 
     def _on_ready(self) -> None:  # event loop thread
         asyncio.ensure_future(self._become_ready())
@@ -121,6 +145,7 @@ class Server:
         to `grace` seconds to finish; the rest are cancelled (their pages freed)."""
         if self._grpc is None:
             return
+        warmed_up = self.service.phase == "serving"
         self.service.phase = "draining"
         self.metrics.serving.set(0)
         await self.health.enter_graceful_shutdown()
@@ -128,7 +153,10 @@ class Server:
         log.info("drained (%s); stopping", "idle" if idle else f"{len(self.service.active)} cancelled")
         await self._grpc.stop(0.5)  # cancels what is left: their handlers abort in the engine
         self.engine_loop.stop()
-        await asyncio.to_thread(self.engine_loop.join, 30.0)
+        # A warm-up in progress cannot be cut short (XLA is compiling), so it is not waited
+        # for: engine_stopped stays False and the process may exit without it.
+        await asyncio.to_thread(self.engine_loop.join, 30.0 if warmed_up else 0.5)
+        self.engine_stopped = not self.engine_loop.alive
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()

@@ -2,15 +2,23 @@
 add them to an argparse subparsers object; ``python -m jaxserve.server.cli`` runs them alone.
 
 Heavy imports (jax, the model) happen inside ``run_serve``, so the client never loads jax.
+SIGTERM / SIGINT end ``serve`` with exit code 0 at any point: while loading it exits at once;
+once the server is bound it drains (``Server.stop``), without waiting for a warm-up compile.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import ipaddress
 import logging
+import os
 import signal
 import sys
+
+from jaxserve.server.client_cli import register_client
+
+log = logging.getLogger("jaxserve.server")
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 # ---------------------------------------------------------------------- serve
@@ -21,6 +29,19 @@ def register_serve(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0 = pick a free one)")
     p.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (0 = free one, -1 = off)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the metrics endpoint (plain HTTP, no authentication): loopback unless "
+                        "set, whatever --host is")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", default=None,
+                   help="PEM CA certificate(s): require a client certificate signed by one of them (mTLS)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="accept this API key (repeatable; each key is one identity), sent by clients as "
+                        "`authorization: Bearer <key>` or `x-api-key`; also read from $JAXSERVE_API_KEY "
+                        "(comma-separated), which other local users cannot see in the process list")
+    p.add_argument("--max-id-length", type=int, default=256,
+                   help="longest request_id / session_id accepted (visible ASCII only; at most 4096)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests waiting for admission before RESOURCE_EXHAUSTED")
     p.add_argument("--replica-id", default=None, help="this replica's name in ModelInfo/metrics (default host:port)")
@@ -47,11 +68,46 @@ def register_serve(sub) -> None:
     p.set_defaults(func=run_serve)
 
 
-def run_serve(args) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from jaxserve.cli_args import enable_compile_cache, ensure_cpu_devices
-    from jaxserve.cli_args import format_kwargs
+def _exit_now(signum, frame):
+    """SIGTERM / SIGINT before the event loop took the signals over (imports, model load):
+    nothing is bound or running yet, so the process just ends, at once and with code 0.
+    (Raising instead would be lost whenever the signal lands in a callback such as a gc hook.)
+    A conversion of the default model cut short here leaves a directory the next start removes."""
+    # os.write, not print: the signal may have interrupted a print on the main thread.
+    os.write(1, f"jaxserve: {signal.Signals(signum).name} before serving; stopped\n".encode())
+    os._exit(0)
 
+
+def run_serve(args) -> int:
+    for sig in _SIGNALS:  # until _serve's event loop takes them over
+        signal.signal(sig, _exit_now)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    code, engine_stopped = _run(args)
+    for sig in _SIGNALS:  # drained: a late signal must not turn exit code 0 into a kill
+        signal.signal(sig, signal.SIG_IGN)
+    if not engine_stopped:
+        # A warm-up is still compiling on the engine thread and cannot be interrupted;
+        # tearing the interpreter down under it aborts the process (SIGABRT). Nothing is
+        # left to save: the ports are closed and the requests answered.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    return code
+
+
+def _run(args) -> tuple[int, bool]:
+    from jaxserve.checkpoint.gguf import remove_stale_conversions
+    from jaxserve.cli_args import enable_compile_cache, ensure_cpu_devices, format_kwargs
+    from jaxserve.server import auth, convert
+
+    # Everything an operator can get wrong is checked before the (slow) model load.
+    keys = auth.keys_from(args.api_key)
+    credentials = auth.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+    convert.check_id_options(args.max_id_length, args.replica_id)
+    for path in remove_stale_conversions():
+        log.info("removed %s, left by a conversion whose process died", path)
+    log.info("loading %s", args.model or "the default model")
     ensure_cpu_devices(args.num_devices)
     enable_compile_cache()
     from jaxserve.llm import LLM
@@ -65,21 +121,42 @@ def run_serve(args) -> int:
         keep_finished=0,  # each request's last output carries its completion
         **format_kwargs(args),
     )
-    return asyncio.run(_serve(args, llm))
+    return asyncio.run(_serve(args, llm, keys, credentials))
 
 
-async def _serve(args, llm) -> int:
+def _warn_if_exposed(host: str, keys, credentials) -> None:
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback:
+        return
+    if not keys.enabled:
+        log.warning("listening on %s with no API key: any client that reaches it may generate and abort "
+                    "requests (--api-key / $JAXSERVE_API_KEY)", host)
+    elif credentials is None:
+        log.warning("listening on %s without TLS: API keys cross the network in plaintext (--tls-cert)", host)
+
+
+async def _serve(args, llm, keys, credentials) -> tuple[int, bool]:
+    """-> (exit code, whether the engine thread has ended)."""
     from jaxserve.server.app import Server
 
-    server = Server(llm, host=args.host, port=args.port, max_waiting=args.max_waiting, replica_id=args.replica_id,
-                    metrics_port=None if args.metrics_port < 0 else args.metrics_port)
-    await server.start()
-    print(f"jaxserve: listening on {server.target} (metrics port {server.metrics_port}); warming up "
-          f"(health NOT_SERVING until done)", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in _SIGNALS:
         loop.add_signal_handler(sig, stop.set)
+    server = Server(llm, host=args.host, port=args.port, max_waiting=args.max_waiting, replica_id=args.replica_id,
+                    metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                    metrics_host=args.metrics_host, credentials=credentials, keys=keys,
+                    max_id_length=args.max_id_length)
+    await server.start()
+    security = (f"{'TLS' if credentials is not None else 'plaintext'}, "
+                f"{f'{len(keys)} API key(s)' if keys.enabled else 'no API key'}")
+    # "metrics port N)" is parsed by scripts (bench/load_test.py): keep it last in the parentheses.
+    print(f"jaxserve: listening on {server.target} ({security}, metrics on {args.metrics_host}, "
+          f"metrics port {server.metrics_port}); warming up (health NOT_SERVING until done)", flush=True)
+    _warn_if_exposed(args.host, keys, credentials)
     ready = asyncio.ensure_future(server.wait_ready())
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -97,138 +174,7 @@ async def _serve(args, llm) -> int:
     print(f"jaxserve: draining (up to {args.drain_timeout:g}s)", flush=True)
     await server.stop(args.drain_timeout)
     print("jaxserve: stopped", flush=True)
-    return code
-
-
-# ---------------------------------------------------------------------- client
-def _ids(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers separated by spaces or commas, got {text!r}")
-
-
-def register_client(sub) -> None:
-    p = sub.add_parser("client", help="talk to a running `jaxserve serve` over gRPC")
-    p.add_argument("--target", default="127.0.0.1:50051", help="server host:port")
-    p.add_argument("--timeout", type=float, default=None, help="deadline per call, seconds")
-    csub = p.add_subparsers(dest="client_command", required=True)
-
-    g = csub.add_parser("generate", help="generate from a text prompt (or --prompt-ids)")
-    g.add_argument("prompt", nargs="?", default=None)
-    g.add_argument("--prompt-ids", type=_ids, default=None, help="token ids '1,2,3' instead of text")
-    g.add_argument("--stream", action="store_true", help="print tokens as they arrive")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True,
-                   help="wrap the text prompt in the model's chat template as a user turn")
-    g.add_argument("--session", default="", help="session id (sent as x-session-affinity)")
-    g.add_argument("--request-id", default="")
-    g.set_defaults(func=_client_generate)
-
-    csub.add_parser("info", help="model info (JSON)").set_defaults(func=_client_info)
-    h = csub.add_parser("health", help="grpc.health.v1 status")
-    h.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for SERVING")
-    h.set_defaults(func=_client_health)
-    t = csub.add_parser("tokenize", help="text -> token ids")
-    t.add_argument("text")
-    t.add_argument("--chat-template", action="store_true")
-    t.set_defaults(func=_client_tokenize)
-    d = csub.add_parser("detokenize", help="token ids -> text")
-    d.add_argument("ids", type=_ids)
-    d.set_defaults(func=_client_detokenize)
-    a = csub.add_parser("abort", help="abort running requests by id")
-    a.add_argument("request_ids", nargs="+")
-    a.set_defaults(func=_client_abort)
-
-
-def _with_client(fn):
-    """Open a Client for the call; a gRPC error becomes a one-line message and exit code 1."""
-
-    def run(args) -> int:
-        import grpc
-
-        from jaxserve.client import Client
-
-        with Client(args.target, timeout=args.timeout) as client:
-            try:
-                return fn(client, args) or 0
-            except grpc.RpcError as e:
-                print(f"jaxserve client: error: {e.code().name}: {e.details()}", file=sys.stderr)
-                return 1
-
-    return run
-
-
-@_with_client
-def _client_generate(client, args) -> int:
-    from jaxserve.client import finish_reason
-
-    if (args.prompt is None) == (args.prompt_ids is None):
-        raise ValueError("give a text prompt or --prompt-ids (one of them)")
-    prompt = args.prompt if args.prompt is not None else args.prompt_ids
-    kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-              seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos or None, session_id=args.session,
-              request_id=args.request_id, chat_template=args.chat_template and args.prompt is not None)
-    if not args.stream:
-        r = client.generate(prompt, **kw)
-        print(r.text if r.text else list(r.token_ids))
-        end, rid = r, r.request_id
-    else:
-        end = rid = None
-        for ev in client.generate_stream(prompt, **kw):
-            if ev.HasField("start"):
-                rid = ev.start.request_id
-            elif ev.HasField("delta"):
-                print(ev.delta.text if ev.delta.text else " ".join(map(str, ev.delta.token_ids)), end="", flush=True)
-            else:
-                end = ev.end
-        print()
-    u, t = end.usage, end.timing
-    ttft = f"{t.time_to_first_token_s * 1000:.1f}ms" if t.HasField("time_to_first_token_s") else "-"
-    print(f"[{rid}] {finish_reason(end)}; prompt {u.prompt_tokens} (cached {u.cached_tokens}), "
-          f"completion {u.completion_tokens}; ttft {ttft}, total {t.total_s * 1000:.1f}ms", file=sys.stderr)
-    return 0
-
-
-@_with_client
-def _client_info(client, args) -> int:
-    from google.protobuf import json_format
-
-    print(json.dumps(json_format.MessageToDict(client.model_info(), preserving_proto_field_name=True), indent=2))
-
-
-@_with_client
-def _client_health(client, args) -> int:
-    if args.wait > 0:
-        try:
-            client.wait_ready(args.wait)
-        except TimeoutError:
-            pass
-    status = client.health()
-    print(status)
-    return 0 if status == "SERVING" else 1
-
-
-@_with_client
-def _client_tokenize(client, args) -> int:
-    print(" ".join(map(str, client.tokenize(args.text, chat_template=args.chat_template))))
-
-
-@_with_client
-def _client_detokenize(client, args) -> int:
-    print(client.detokenize(args.ids))
-
-
-@_with_client
-def _client_abort(client, args) -> int:
-    r = client.abort(*args.request_ids)
-    print(json.dumps({"aborted": list(r.aborted), "not_found": list(r.not_found)}))
+    return code, server.engine_stopped
 
 
 def main(argv=None) -> int:

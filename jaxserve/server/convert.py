@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pathlib
 
 import numpy as np
 
@@ -19,6 +20,33 @@ SEED_MAX = 2**31 - 1  # the engine's sampler keeps seeds in int32
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
                     "presence_penalty", "frequency_penalty")
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+
+
+MAX_ID_LENGTH = 256  # default limit on request and session ids
+ID_LENGTH_CAP = 4096  # echoed ids (and the replica id) must fit in response headers
+
+
+def check_id(kind: str, value: str, max_length: int) -> str:
+    """A request / session id as the server echoes it in response headers: at most
+    `max_length` characters of visible ASCII (0x21-0x7E; no spaces, controls or non-ASCII)."""
+    if len(value) > max_length:
+        raise errors.invalid_argument(f"{kind} is {len(value)} characters long; the limit is {max_length}")
+    bad = next((c for c in value if not 0x21 <= ord(c) <= 0x7E), None)
+    if bad is not None:
+        raise errors.invalid_argument(f"{kind} contains {bad!r} (U+{ord(bad):04X}); only visible ASCII "
+                                      f"(0x21-0x7E, no spaces or control characters) is allowed")
+    return value
+
+
+def check_id_options(max_id_length: int, replica_id: str | None) -> None:
+    """Server options that end up in headers: ValueError (an operator's mistake) if unfit."""
+    if not 1 <= max_id_length <= ID_LENGTH_CAP:
+        raise ValueError(f"--max-id-length must be in [1, {ID_LENGTH_CAP}], got {max_id_length}")
+    if replica_id is not None:
+        try:
+            check_id("--replica-id", replica_id, ID_LENGTH_CAP)
+        except errors.ServeError as e:
+            raise ValueError(e.message) from None
 
 
 def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
@@ -112,6 +140,12 @@ def fingerprint(params, formats: dict) -> str:
     return h.hexdigest()
 
 
+def model_name(llm) -> str:
+    """The checkpoint's directory name: GetModelInfo never discloses where it lives."""
+    path = str(getattr(llm, "model_path", "") or "")
+    return pathlib.PurePath(path).name if path else ""
+
+
 def model_info(llm, max_waiting: int, replica_id: str) -> pb.ModelInfo:
     """The static part of GetModelInfo (kv_pages is filled per call). Hashes every weight:
     call once at startup."""
@@ -120,7 +154,7 @@ def model_info(llm, max_waiting: int, replica_id: str) -> pb.ModelInfo:
     tok = llm.tokenizer
     return pb.ModelInfo(
         architecture=llm.cfg.architecture,
-        model=str(getattr(llm, "model_path", "")),
+        model=model_name(llm),
         dtype=llm.dtype,
         prefill=pb.PhaseFormats(**formats["prefill"]),
         decode=pb.PhaseFormats(**formats["decode"]),

@@ -46,6 +46,7 @@ class RequestStream:
     engine_id: str  # unique inside the engine
     session_id: str
     arrival: float  # time.perf_counter() when the RPC arrived
+    owner: str = ""  # the caller's identity (API key name; "" without keys): who may abort it
     queue: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     admitted: bool = False  # a start or terminal event arrived (no longer counts as waiting)
     done: bool = False  # the handler consumed the terminal event
@@ -114,6 +115,11 @@ class EngineLoop:
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread is still running (e.g. inside a warm-up compile, which cannot be cut short)."""
+        return self._thread.is_alive()
 
     def _deliver(self, batch) -> None:
         for stream, ev in batch:

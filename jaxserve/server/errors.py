@@ -82,6 +82,11 @@ def invalid_argument(message: str) -> ServeError:
     return ServeError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
+def unauthenticated() -> ServeError:
+    return ServeError(grpc.StatusCode.UNAUTHENTICATED,
+                      "missing or wrong API key: send `authorization: Bearer <key>` or `x-api-key: <key>`")
+
+
 def failed_precondition(message: str) -> ServeError:
     return ServeError(grpc.StatusCode.FAILED_PRECONDITION, message)
 

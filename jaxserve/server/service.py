@@ -18,6 +18,7 @@ import uuid
 import grpc
 
 from jaxserve.server import convert, errors
+from jaxserve.server.auth import ApiKeys
 from jaxserve.server.engine_loop import EngineLoop, RequestStream
 from jaxserve.server.errors import ServeError
 from jaxserve.v1 import jaxserve_pb2 as pb
@@ -47,8 +48,11 @@ def _unary_errors(handler):
 
 
 class JaxServeService(pb_grpc.JaxServeServicer):
-    def __init__(self, llm, engine_loop: EngineLoop, metrics, info: pb.ModelInfo, max_waiting: int):
+    def __init__(self, llm, engine_loop: EngineLoop, metrics, info: pb.ModelInfo, max_waiting: int,
+                 keys: ApiKeys | None = None, max_id_length: int = convert.MAX_ID_LENGTH):
         self.llm = llm
+        self.keys = keys or ApiKeys()
+        self.max_id_length = max_id_length
         self.engine_loop = engine_loop
         self.metrics = metrics
         self.info = info
@@ -125,6 +129,11 @@ class JaxServeService(pb_grpc.JaxServeServicer):
     async def _open(self, req: pb.GenerateRequest, context) -> RequestStream:
         """Validate and submit; raises ServeError (nothing is submitted then)."""
         arrival = time.perf_counter()
+        headers = {k: v for k, v in (context.invocation_metadata() or ())}
+        # Ids are echoed in response headers: checked first, so a bad one never runs.
+        rid = convert.check_id("request_id", req.request_id, self.max_id_length)
+        session = req.session_id or str(headers.get(SESSION_HEADER, ""))
+        convert.check_id("session_id" if req.session_id else SESSION_HEADER, session, self.max_id_length)
         if self.phase != "serving":
             raise errors.unavailable(self.phase)
         params = convert.sampling_params(req)
@@ -132,9 +141,7 @@ class JaxServeService(pb_grpc.JaxServeServicer):
             ids = await asyncio.to_thread(convert.prompt_ids, req, self.llm.tokenizer)
         else:
             ids = convert.prompt_ids(req, self.llm.tokenizer)
-        headers = {k: v for k, v in (context.invocation_metadata() or ())}
-        session = req.session_id or str(headers.get(SESSION_HEADER, ""))
-        rid = req.request_id or f"req-{uuid.uuid4().hex}"
+        rid = rid or f"req-{uuid.uuid4().hex}"
         md = [(REPLICA_HEADER, self.info.replica_id), ("x-request-id", rid)]
         if session:
             md.append((SESSION_HEADER, session))
@@ -149,7 +156,8 @@ class JaxServeService(pb_grpc.JaxServeServicer):
             hint = self.engine_loop.recent_duration_s * max(1, waiting) / max(1, self.info.max_num_seqs)
             raise errors.queue_full(waiting, self.max_waiting, min(max(hint, 0.05), 30.0))
         # From here to submit() there is no await: the id check and the registration are atomic.
-        stream = RequestStream(rid, f"{rid}#{next(self._seq)}", session, arrival)
+        stream = RequestStream(rid, f"{rid}#{next(self._seq)}", session, arrival,
+                               owner=self.keys.identity(context.invocation_metadata()) or "")
         self.active[rid] = stream
         if session:
             self.metrics.session_requests.inc()
@@ -222,10 +230,13 @@ class JaxServeService(pb_grpc.JaxServeServicer):
 
     @_unary_errors
     async def Abort(self, request, context):
+        """With API keys, a caller may abort only requests started with its own key; others'
+        ids are reported not found (their existence is not disclosed)."""
+        caller = self.keys.identity(context.invocation_metadata()) or ""
         aborted, not_found, pending = [], [], []
         for rid in dict.fromkeys(request.request_ids):  # each id once, order kept
             stream = self.active.get(rid)
-            if stream is None:
+            if stream is None or stream.owner != caller:
                 not_found.append(rid)
             else:
                 pending.append((rid, asyncio.wrap_future(self.engine_loop.abort(stream.engine_id))))

@@ -105,7 +105,8 @@ class JaxServeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Abort running requests by id (from any client); their calls end with FINISH_REASON_ABORT.
+        """Abort running requests by id; their calls end with FINISH_REASON_ABORT. Without API keys
+        any client may abort any id; with keys, only requests started with the caller's key.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

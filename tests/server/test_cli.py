@@ -1,7 +1,6 @@
 """`jaxserve client ...` against the test server, and `jaxserve serve` end to end in a
 subprocess: warm-up before SERVING, then a graceful drain on SIGTERM."""
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import pytest
 
 from jaxserve.server.cli import main
 
-from .conftest import ENGINE
+from .serve_process import serve_args, server_env
 
 
 def run_cli(capsys, *argv):
@@ -39,23 +38,12 @@ def test_client_cli(served, cases, capsys):
     assert code == 1 and "INVALID_ARGUMENT" in err and "vocabulary" in err
 
 
-def _serve_args(model):
-    args = [sys.executable, "-m", "jaxserve.server.cli", "serve", "--model", model, "--port", "0",
-            "--metrics-port", "-1", "--log-level", "warning", "--drain-timeout", "20"]
-    for key, value in ENGINE.items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
-    return args
-
-
 @pytest.mark.slow
 def test_serve_subprocess_warms_up_then_drains_on_sigterm(tiny_text_model):
-    import jax
-
     from jaxserve.client import Client
 
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "")
-    proc = subprocess.Popen(_serve_args(tiny_text_model), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
+    proc = subprocess.Popen(serve_args(tiny_text_model), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=server_env())
     lines = []
     try:
         target = None

@@ -154,3 +154,76 @@ def test_unexpected_engine_exception_is_internal_and_serving_continues(served, c
 def test_generate_before_warmup_is_unavailable(served):
     assert served.boot["generate"] == grpc.StatusCode.UNAVAILABLE
 
+
+
+# name -> (build_request keywords, x-session-affinity header, words the message must contain)
+BAD_IDS = {
+    "non-ASCII request id": (dict(request_id="caf\u00e9"), None, "request_id contains '\u00e9'"),
+    "control character in session id": (dict(session_id="a\nb"), None, "session_id contains '\\n'"),
+    "space in request id": (dict(request_id="a b"), None, "request_id contains ' '"),
+    "request id over the limit": (dict(request_id="r" * 257), None, "257 characters long; the limit is 256"),
+    "20 KiB session id": (dict(session_id="s" * 20480), None, "the limit is 256"),
+    "session header over the limit": ({}, "h" * 257, "x-session-affinity is 257 characters long"),
+    "space in session header": ({}, "a b", "x-session-affinity contains ' '"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_IDS))
+def test_bad_ids_are_invalid_before_anything_runs(served, name):
+    from jaxserve.client import build_request
+
+    kw, header, words = BAD_IDS[name]
+    req = build_request([5, 6, 7], max_tokens=2, **kw)
+    md = (("x-session-affinity", header),) if header else None
+    before = served.metrics()
+    for rpc in (served.client.stub.Generate, lambda r, **k: list(served.client.stub.GenerateStream(r, **k))):
+        with pytest.raises(grpc.RpcError) as e:
+            rpc(req, metadata=md)
+        assert e.value.code() == INVALID, (name, e.value.code(), e.value.details())
+        assert words in e.value.details(), e.value.details()
+    after = served.metrics()
+    assert after[("jaxserve_prompt_tokens_total", ())] == before[("jaxserve_prompt_tokens_total", ())]  # never ran
+
+
+def test_ids_at_the_limit_run_and_are_echoed_in_headers(served, cases):
+    from jaxserve.client import build_request
+
+    p, kw, want = cases["ids_greedy"]
+    rid, session = "~" + "r" * 254 + "!", "s" * 256
+    r, call = served.client.stub.Generate.with_call(build_request(p, request_id=rid, session_id=session, **kw))
+    assert list(r.token_ids) == list(want) and r.request_id == rid and r.session_id == session
+    headers = dict(call.initial_metadata())
+    assert headers["x-request-id"] == rid and headers["x-session-affinity"] == session
+
+
+def test_id_options_that_cannot_be_echoed_are_refused():
+    from jaxserve.server.convert import check_id_options
+
+    check_id_options(4096, "replica-1:50051")
+    for max_id_length, replica in ((0, None), (4097, None), (256, "replica one"), (256, "r\u00e9plica")):
+        with pytest.raises(ValueError):
+            check_id_options(max_id_length, replica)
+
+
+@pytest.mark.parametrize("path,kind,message", [
+    ("/jaxserve.v1.JaxServe/Generate", "unary", "jaxserve.v1.GenerateRequest"),
+    ("/jaxserve.v1.JaxServe/GenerateStream", "stream", "jaxserve.v1.GenerateRequest"),
+    ("/jaxserve.v1.JaxServe/Tokenize", "unary", "jaxserve.v1.TokenizeRequest"),
+    ("/jaxserve.v1.JaxServe/Detokenize", "unary", "jaxserve.v1.DetokenizeRequest"),
+    ("/jaxserve.v1.JaxServe/GetModelInfo", "unary", "jaxserve.v1.GetModelInfoRequest"),
+    ("/jaxserve.v1.JaxServe/Abort", "unary", "jaxserve.v1.AbortRequest"),
+    ("/grpc.health.v1.Health/Check", "unary", "grpc.health.v1.HealthCheckRequest"),
+    ("/grpc.health.v1.Health/Watch", "stream", "grpc.health.v1.HealthCheckRequest"),
+    ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", "bidi", "ServerReflectionRequest")])
+def test_bytes_that_are_not_a_message_are_invalid_argument(served, caplog, path, kind, message):
+    channel = served.client.channel
+    with pytest.raises(grpc.RpcError) as e:
+        if kind == "stream":
+            list(channel.unary_stream(path)(b"\x0a\xff", timeout=10))
+        elif kind == "bidi":
+            list(channel.stream_stream(path)(iter([b"\x0a\xff"]), timeout=10))
+        else:
+            channel.unary_unary(path)(b"\x0a\xff", timeout=10)
+    details = e.value.details()
+    assert e.value.code() == INVALID and f"malformed request to {path}" in details and message in details
+    assert not [r for r in caplog.records if r.levelno >= 40]  # no traceback logged

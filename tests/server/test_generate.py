@@ -137,11 +137,15 @@ def test_async_client_has_the_client_methods(served, llm, cases):
     assert list(r.token_ids) == list(want.token_ids)
 
 
-def test_model_info_reports_formats_pool_and_fingerprint(served, llm):
+def test_model_info_reports_formats_pool_and_fingerprint(served, llm, tiny_text_model):
+    from pathlib import Path
+
     from jaxserve.server.convert import fingerprint, phase_formats
 
     info = served.client.model_info()
     assert info.architecture == "LlamaForCausalLM" and info.dtype == "float32"
+    # The checkpoint's name, never where it lives on the server.
+    assert info.model == Path(tiny_text_model).name and "/" not in info.model
     assert (info.prefill.weights, info.decode.weights) == ("float32", "float32")
     assert (info.prefill.kv_cache, info.decode.kv_cache) == ("float32", "float32")
     assert info.decode.matmul_path == llm.runner.weight_paths()["decode"]

@@ -1,0 +1,173 @@
+"""API keys, TLS / mTLS, Abort ownership, the metrics endpoint on loopback, and a ModelInfo
+that does not disclose the checkpoint's path."""
+import asyncio
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2_grpc
+
+from jaxserve.client import Client, finish_reason
+from jaxserve.server.auth import ApiKeys, identity_of, keys_from, server_credentials
+
+from .certs import make_certs
+from .serve_process import ServeProcess, serve_args, server_env
+
+UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_api_keys_from_either_header_and_nothing_else():
+    keys = ApiKeys(["k-one", "k-two"])
+    one, two = identity_of("k-one"), identity_of("k-two")
+    assert one != two and "k-one" not in one
+    assert keys.identity([("authorization", "Bearer k-one")]) == one
+    assert keys.identity([("authorization", "bearer  k-two ")]) == two
+    assert keys.identity([("x-api-key", "k-two")]) == two
+    for md in ([], None, [("authorization", "Bearer k-on")], [("authorization", "k-one")],
+               [("x-api-key", "k-one2")], [("x-other", "k-one")], [("authorization", "Basic k-one")]):
+        assert keys.identity(md) is None, md
+    assert ApiKeys().identity([]) == "" and not ApiKeys().enabled  # no keys: everyone, one identity
+    with pytest.raises(ValueError):
+        ApiKeys(["has space"])
+
+
+def test_keys_come_from_flags_and_the_environment():
+    keys = keys_from(["a1"], {"JAXSERVE_API_KEY": "b2, c3"})
+    assert len(keys) == 3 and keys.identity([("x-api-key", "c3")]) == identity_of("c3")
+    assert not keys_from(None, {}).enabled
+
+
+def test_tls_options_must_come_in_pairs():
+    for cert, key, ca in (("c.pem", None, None), (None, "k.pem", None), (None, None, "ca.pem")):
+        with pytest.raises(ValueError):
+            server_credentials(cert, key, ca)
+    assert server_credentials(None, None) is None
+
+
+def test_serve_defaults_keep_metrics_on_loopback():
+    import argparse
+
+    from jaxserve.server.cli import register_serve
+
+    parser = argparse.ArgumentParser()
+    register_serve(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--host", "0.0.0.0"])
+    assert (args.metrics_host, args.max_id_length, args.api_key) == ("127.0.0.1", 256, None)
+
+
+def test_tls_without_client_certificates(tmp_path):
+    """Server-only TLS: the client verifies the server with the test CA; plaintext fails."""
+    certs = make_certs(tmp_path)
+    creds = server_credentials(str(certs.server_cert), str(certs.server_key))
+
+    async def main():
+        server = grpc.aio.server()
+        servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        port = server.add_secure_port("127.0.0.1:0", creds)
+        await server.start()
+        try:
+            return await asyncio.to_thread(_tls_probe, f"127.0.0.1:{port}", certs.ca.read_bytes())
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(main()) == ("SERVING", grpc.StatusCode.UNAVAILABLE)
+
+
+def _tls_probe(target, ca):
+    with Client(target, root_certificates=ca) as c:
+        status = c.health(timeout=10)
+    with Client(target) as plain:
+        with pytest.raises(grpc.RpcError) as e:
+            plain.health(timeout=5)
+    return status, e.value.code()
+
+
+def _code(fn):
+    try:
+        fn()
+    except grpc.RpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+def test_serve_with_mtls_and_api_keys(tiny_text_model, cases, tmp_path, capsys, monkeypatch):
+    """One `jaxserve serve` on 127.0.0.2 with TLS, required client certificates and two keys
+    (one from --api-key, one from $JAXSERVE_API_KEY)."""
+    certs = make_certs(tmp_path, ips=("127.0.0.2",))
+    args = serve_args(tiny_text_model, "--host", "127.0.0.2", "--metrics-port", "0", "--api-key", "key-A",
+                      "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+                      "--tls-client-ca", str(certs.ca))
+    env = server_env(JAXSERVE_API_KEY="key-B")
+    tls = dict(root_certificates=certs.ca.read_bytes(), private_key=certs.client_key.read_bytes(),
+               certificate_chain=certs.client_cert.read_bytes())
+    with ServeProcess(args, env) as server:
+        listening = server.wait_for("listening on", timeout=120)
+        assert "TLS, 2 API key(s)" in listening, listening
+        assert "metrics on 127.0.0.1," in listening, listening
+        metrics_port = int(listening.split("metrics port ")[1].split(")")[0])
+        target = server.wait_for("SERVING on", timeout=120).split("SERVING on ")[1].split()[0]
+        assert target.startswith("127.0.0.2:")
+        prompt, kw, want = cases["ids_greedy"]
+        with Client(target, timeout=60, api_key="key-A", **tls) as a, Client(target, timeout=60, **tls) as anon, \
+                Client(target, timeout=60, api_key="key-C", **tls) as wrong:
+            assert list(a.generate(prompt, **kw).token_ids) == list(want)
+            assert anon.health() == "SERVING"  # health stays open
+            for c in (anon, wrong):
+                assert _code(lambda: c.generate(prompt, **kw)) == UNAUTHENTICATED
+                assert _code(c.model_info) == UNAUTHENTICATED
+                assert _code(lambda: list(c.generate_stream(prompt, **kw))) == UNAUTHENTICATED
+            b_header = (("x-api-key", "key-B"),)
+            r = anon.stub.Generate(_req(prompt, kw), metadata=b_header)
+            assert list(r.token_ids) == list(want)
+            info = a.model_info()
+            assert info.model == Path(tiny_text_model).name
+            _check_abort_ownership(a, anon, target, tls)
+        _check_client_cli(target, certs, capsys, monkeypatch)
+        with Client(target, api_key="key-A") as plain:  # TLS is required
+            assert _code(lambda: plain.health(timeout=5)) == grpc.StatusCode.UNAVAILABLE
+        no_cert = dict(root_certificates=certs.ca.read_bytes())
+        with Client(target, api_key="key-A", **no_cert) as c:  # so is a client certificate
+            assert _code(lambda: c.health(timeout=5)) == grpc.StatusCode.UNAVAILABLE
+        body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        assert 'jaxserve_requests_total{outcome="unauthenticated",rpc="Generate"} 2.0' in body
+        with pytest.raises(urllib.error.URLError):  # not on --host's address
+            urllib.request.urlopen(f"http://127.0.0.2:{metrics_port}/metrics", timeout=5)
+        server.proc.terminate()
+        assert server.wait(timeout=30) == 0, server.output
+    assert "key-A" not in server.output and "key-B" not in server.output
+
+
+def _req(prompt, kw):
+    from jaxserve.client import build_request
+
+    return build_request(prompt, **kw)
+
+
+def _check_client_cli(target, certs, capsys, monkeypatch):
+    """`jaxserve client` with --tls-* options and the key from $JAXSERVE_API_KEY or --api-key."""
+    import json
+
+    from jaxserve.server.cli import main
+
+    tls = ["--target", target, "--tls-ca", str(certs.ca), "--tls-cert", str(certs.client_cert),
+           "--tls-key", str(certs.client_key)]
+    monkeypatch.setenv("JAXSERVE_API_KEY", "key-B")
+    assert main(["client", *tls, "info"]) == 0
+    assert json.loads(capsys.readouterr().out)["architecture"] == "LlamaForCausalLM"
+    assert main(["client", *tls, "--api-key", "key-Z", "info"]) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+
+
+def _check_abort_ownership(a, anon, target, tls):
+    """With keys, Abort reaches only the caller's own requests."""
+    it = a.generate_stream([5, 6, 7], max_tokens=200, ignore_eos=True, request_id="owned-by-A")
+    assert next(it).WhichOneof("event") == "start"
+    with Client(target, timeout=60, api_key="key-B", **tls) as b:
+        assert list(b.abort("owned-by-A").not_found) == ["owned-by-A"]
+    assert _code(lambda: anon.abort("owned-by-A")) == UNAUTHENTICATED
+    assert list(a.abort("owned-by-A").aborted) == ["owned-by-A"]
+    events = list(it)
+    assert finish_reason(events[-1].end) == "abort" and events[-1].end.usage.completion_tokens < 200
