@@ -35,10 +35,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from jaxserve.cli_args import add_engine_args, engine_flags  # noqa: E402
 from jaxserve.client import AsyncClient, retry_after_s  # noqa: E402
-
-ENGINE_FLAGS = ("num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk", "max_waiting",
-                "kv_format")
+from jaxserve.engine.config import EngineConfig  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -55,24 +54,20 @@ def parse_args(argv=None):
     p.add_argument("--text-fraction", type=float, default=0.25, help="text prompts (need a tokenizer)")
     p.add_argument("--sampled-fraction", type=float, default=0.0,
                    help="non-greedy requests (on CPU a full-vocabulary sort per step dominates a tiny model)")
-    p.add_argument("--num-pages", type=int, default=256)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=256)
-    p.add_argument("--prefill-chunk", type=int, default=128)
     p.add_argument("--max-waiting", type=int, default=32, help="server queue limit (RESOURCE_EXHAUSTED beyond)")
-    p.add_argument("--kv-format", default="bf16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "load_test.json"))
-    return p.parse_args(argv)
+    add_engine_args(p.add_argument_group("the server's engine (EngineConfig; passed on to jaxserve serve)"))
+    args = p.parse_args(argv)
+    args.max_num_seqs = args.max_num_seqs or EngineConfig.max_num_seqs
+    return args
 
 
 # ---------------------------------------------------------------------- server
 def start_server(args, model: str):
     cmd = [sys.executable, "-m", "jaxserve.server.cli", "serve", "--model", model, "--host", "127.0.0.1",
            "--port", "0", "--metrics-port", "0", "--log-level", "warning", "--drain-timeout", "10"]
-    for flag in ENGINE_FLAGS:
-        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    cmd += ["--max-waiting", str(args.max_waiting)] + engine_flags(args)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     metrics_port, lines = None, []
     for line in proc.stdout:
@@ -274,7 +269,8 @@ def main(argv=None) -> int:
         "model": info.model, "architecture": info.architecture, "fingerprint": info.fingerprint[:16],
         "config": {k: getattr(args, k) for k in ("concurrency", "requests", "prompt_len", "max_tokens",
                                                  "cancel_fraction", "deadline_fraction", "abort_fraction",
-                                                 "text_fraction", "sampled_fraction", *ENGINE_FLAGS)},
+                                                 "text_fraction", "sampled_fraction", "max_waiting")}
+        | {"engine_flags": engine_flags(args)},
         "wall_s": round(wall, 2),
         "outcomes": dict(outcomes),
         "retries_after_resource_exhausted": sum(r["retries"] for r in records.values()),

@@ -9,7 +9,7 @@ import argparse
 import sys
 import time
 
-from jaxserve.cli_args import add_format_args, enable_compile_cache, ensure_cpu_devices, format_kwargs
+from jaxserve.cli_args import add_engine_args, enable_compile_cache, engine_kwargs, ensure_cpu_devices
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -42,13 +42,9 @@ def add_generate(sub) -> None:
     )
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="activations and loaded weights (auto: bfloat16 on a GPU, float32 elsewhere)")
-    p.add_argument("--kv-format", default=None,
-                   help="bf16 | fp8_e4m3 | float32 (default: what a converted checkpoint or --preset holds, else bf16)")
     p.add_argument("--num-devices", type=int, default=1)
-    p.add_argument("--num-pages", type=int, default=256)
-    p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--no-warmup", action="store_true", help="skip the compile warm-up (tokens/s then include it)")
-    add_format_args(p)
+    add_engine_args(p.add_argument_group("engine (EngineConfig)"))
     p.set_defaults(func=run_generate)
 
 
@@ -62,10 +58,8 @@ def run_generate(args) -> int:
     from jaxserve.llm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(
-        args.model, dtype=args.dtype, kv_format=args.kv_format, num_devices=args.num_devices,
-        num_pages=args.num_pages, page_size=args.page_size, **format_kwargs(args),
-    )
+    llm = LLM(args.model, dtype=args.dtype, kv_format=args.kv_format, num_devices=args.num_devices,
+              **engine_kwargs(args))
     for phase, path in llm.runner.weight_paths().items():
         print(f"[{phase} matmuls] {path}", file=sys.stderr)
     mem = llm.memory_report()

@@ -1,51 +1,81 @@
-"""Command-line options and set-up shared by generate, serve, bench and experiment: per-phase weight formats,
-the matmul and attention backends, presets and the KV memory budget (EngineConfig fields; see
-README), virtual CPU devices and the persistent compile cache."""
+"""Command-line options and set-up shared by generate, serve, bench and experiment: the engine
+flags, built from EngineConfig's fields (one source for names, defaults and help), the KV
+format and presets; virtual CPU devices and the persistent compile cache."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 
+# The engine fields the format options cover (experiments sweep some of them).
+FORMAT_FIELDS = ("prefill_weights", "decode_weights", "prefill_from_decode_weights", "matmul_backend",
+                 "kv_cache_memory", "memory_fraction", "attention_backend")
+PRESET_HELP = "a named configuration: article (fp8 KV, fp8 prefill, int4 decode) | cpu (bf16 prefill, int8 decode)"
+KV_FORMAT_HELP = "bf16 | fp8_e4m3 | float32 (default: what a converted checkpoint or --preset holds, else bf16)"
+
+
+def flag_of(field: dataclasses.Field) -> str:
+    return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
+
+
+def add_engine_args(p, fields: tuple[str, ...] | None = None, skip: tuple[str, ...] = ()) -> None:
+    """One flag per EngineConfig field (name, help and default from the field), all unset by
+    default so the config's own defaults apply; ``fields`` limits them, ``skip`` names flags a
+    command defines its own way. Plus --kv-format and --preset (LLM arguments)."""
+    from jaxserve.engine.config import EngineConfig
+
+    for f in dataclasses.fields(EngineConfig):
+        flag = flag_of(f)
+        if not f.metadata.get("cli", True) or flag in skip or (fields is not None and f.name not in fields):
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_ = f.metadata["help"] + ("" if default is None else f" (default: {default})")
+        if isinstance(default, bool):
+            p.add_argument(flag, dest=f.name, action="store_const", const=not flag.startswith("--no-"), default=None,
+                           help=f.metadata["help"])
+        else:
+            typ = f.metadata.get("type") or type(default)
+            p.add_argument(flag, dest=f.name, type=typ, default=None, choices=f.metadata.get("choices"), help=help_)
+    for flag, help_ in (("--kv-format", KV_FORMAT_HELP), ("--preset", PRESET_HELP)):
+        if flag not in skip and (fields is None or flag.lstrip("-").replace("-", "_") in fields):
+            p.add_argument(flag, default=None, help=help_)
+
+
 def add_format_args(p, skip: tuple[str, ...] = ()) -> None:
-    """Per-phase weight formats, matmul and attention backends, KV budget, preset (generate, serve,
-    bench, experiment); ``skip`` names flags a command defines its own way (their value is then None)."""
-    add = _skipping(p, skip)
-    add("--prefill-weights", default=None,
-        help="prefill weight format: bf16 | int8 | fp8_e4m3 | fp8:block128 (default: as loaded)")
-    add("--decode-weights", default=None,
-        help="decode weight format: bf16 | int8 | fp8_e4m3 | fp8:block128 | int4:g32|g64|g128 "
-             "(default: as loaded)")
-    add("--prefill-from-decode-weights", action="store_true",
-        help="prefill reads the decode copy (e.g. int4): one resident weight copy instead of two")
-    add("--matmul-backend", default="auto", choices=["auto", "cpu", "gpu", "interpret"],
-        help="quantized matmul formulations (auto: gpu on a GPU host, else cpu)")
-    add("--kv-cache-memory", default=None,
-        help="KV pool size in bytes (48GiB, 512MiB, ...): decides the page count for the KV format")
-    add("--memory-fraction", type=float, default=None,
-        help="KV pool = this fraction of the memory free after loading (GPU: device; CPU: available RAM)")
-    add("--attention-backend", default=None, choices=["xla", "pallas", "pallas_interpret"],
-        help="attention over the paged cache, prefill and decode (default: pallas on a GPU, else xla)")
-    add("--preset", default=None,
-        help="a named configuration: article (fp8 KV, fp8 prefill, int4 decode) | cpu (bf16 prefill, int8 decode)")
+    """The weight-format, backend, KV-budget and preset flags alone (``add_engine_args``)."""
+    add_engine_args(p, fields=FORMAT_FIELDS + ("preset",), skip=skip)
 
 
-def _skipping(p, skip):
-    def add(flag, **kw):
-        if flag not in skip:
-            p.add_argument(flag, **kw)
-    return add
+def engine_kwargs(args, fields: tuple[str, ...] | None = None) -> dict:
+    """The EngineConfig arguments (and preset) the command line set; unset flags are left out,
+    so the config's defaults (or a preset's values) apply."""
+    from jaxserve.engine.config import EngineConfig
+
+    names = [f.name for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli", True)] + ["preset"]
+    return {n: getattr(args, n) for n in names
+            if (fields is None or n in fields) and getattr(args, n, None) is not None}
+
+
+def engine_flags(args) -> list[str]:
+    """The engine flags the command line set, spelled for another command line (a server
+    subprocess launched with the same engine)."""
+    from jaxserve.engine.config import EngineConfig
+
+    out = []
+    for f in dataclasses.fields(EngineConfig):
+        value = getattr(args, f.name, None)
+        if value is None or not f.metadata.get("cli", True):
+            continue
+        out += [flag_of(f)] if isinstance(value, bool) else [flag_of(f), str(value)]
+    for name in ("kv_format", "preset"):
+        if getattr(args, name, None) is not None:
+            out += ["--" + name.replace("_", "-"), getattr(args, name)]
+    return out
 
 
 def format_kwargs(args) -> dict:
-    """The engine keyword arguments these flags give (a flag the command skipped reads as unset)."""
-    get = lambda name: getattr(args, name, None)  # noqa: E731
-    kw = dict(prefill_weights=get("prefill_weights"), decode_weights=get("decode_weights"),
-              matmul_backend=get("matmul_backend") or "auto", attention_backend=get("attention_backend"),
-              kv_cache_memory=get("kv_cache_memory"), memory_fraction=get("memory_fraction"),
-              prefill_from_decode_weights=bool(get("prefill_from_decode_weights")))
-    if get("preset") is not None:
-        kw["preset"] = get("preset")
-    return kw
+    """The format, backend, budget and preset arguments the command line set."""
+    return engine_kwargs(args, FORMAT_FIELDS + ("preset",))
 
 
 def ensure_cpu_devices(n: int) -> None:

@@ -88,8 +88,7 @@ def test_cli_engine_flags(capsys):
     a = p.parse_args(["capacity", "--preset", "article", "--decode-weights", "int8", "--attention-backend", "xla",
                       "--kv-cache-memory", "4MiB"])
     assert a.kv_budget == 4 * 2**20
-    assert _engine_kw(a) == {"preset": "article", "decode_weights": "int8", "attention_backend": "xla",
-                             "matmul_backend": "auto"}
+    assert _engine_kw(a) == {"preset": "article", "decode_weights": "int8", "attention_backend": "xla"}
     a = p.parse_args(["weights", "--memory-fraction", "0.01", "--matmul-backend", "cpu"])
     assert _engine_kw(a) == {"memory_fraction": 0.01, "matmul_backend": "cpu"}
     assert main(["weights", "--decode-weights", "int8"]) == 2

@@ -25,7 +25,8 @@ import time
 
 from jaxserve.bench.measure import CompileWatch, fmt, format_table, machine_info, summary, write_json
 from jaxserve.bench.workload import BenchRequest, make_workload, warmup_workload
-from jaxserve.cli_args import add_format_args, format_kwargs
+from jaxserve import cli_args
+from jaxserve.cli_args import add_engine_args
 
 
 @dataclasses.dataclass
@@ -198,22 +199,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    g.add_argument("--kv-format", default=None,
-                   help="bf16 | fp8_e4m3 | float32 (default: what a converted checkpoint or --preset holds, else bf16)")
-    g = p.add_argument_group("engine")
-    g.add_argument("--num-pages", type=int, default=256)
-    g.add_argument("--page-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=16)
-    g.add_argument("--max-num-batched-tokens", type=int, default=256)
-    g.add_argument("--max-prefill-seqs", type=int, default=4)
-    g.add_argument("--prefill-chunk", type=int, default=128)
+    g = p.add_argument_group("engine (EngineConfig)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="default: the workload's longest prompt + output, rounded up to a power-of-two "
                         "number of pages (every step's page-table width follows it); 0 = the engine's "
                         "default (the model's whole context)")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    add_format_args(g)
-    g.add_argument("--no-integrity-check", action="store_true")
+    add_engine_args(g, skip=("--max-model-len",))
     g = p.add_argument_group("workload")
     g.add_argument("--num-requests", type=int, default=128)
     g.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
@@ -249,17 +240,16 @@ def fitted_max_model_len(tokens: int, page_size: int) -> int:
 
 
 def engine_kwargs(args) -> dict:
+    """The engine flags given, and max_model_len fitted to the workload unless given."""
+    from jaxserve.engine.config import EngineConfig
+
+    kw = cli_args.engine_kwargs(args)
+    page_size = kw.get("page_size", EngineConfig.page_size)
     if args.max_model_len is None:
-        max_model_len = fitted_max_model_len(args.prompt_len[1] + args.output_len[1], args.page_size)
+        kw["max_model_len"] = fitted_max_model_len(args.prompt_len[1] + args.output_len[1], page_size)
     else:
-        max_model_len = args.max_model_len or None
-    return dict(
-        num_pages=args.num_pages, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_seqs=args.max_prefill_seqs,
-        prefill_chunk=args.prefill_chunk, max_model_len=max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching, integrity_check=not args.no_integrity_check,
-        **format_kwargs(args),
-    )
+        kw["max_model_len"] = args.max_model_len or None
+    return kw
 
 
 def run(args) -> int:

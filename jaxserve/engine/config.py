@@ -8,48 +8,58 @@ from jaxserve.engine.scheduler import SchedulerConfig
 from jaxserve.kv import memory as kv_memory
 
 
+def _field(default, help: str, flag: str | None = None, cli: bool = True, factory=None, **kw):
+    """A config field with what its command-line flag needs: help, and a spelling other than
+    --field-name (``flag``); cli=False keeps it out of the command lines."""
+    meta = dict(help=help, flag=flag, cli=cli, **kw)
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Everything that shapes a serving engine; frozen and validated."""
+    """Everything that shapes a serving engine; frozen and validated. The single source of the
+    engine flags of every command line (jaxserve.cli_args builds them from these fields)."""
 
-    num_pages: int = 256
-    page_size: int = 16
-    max_model_len: int | None = None  # default: the model's context, capped by the page pool
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 256
-    max_prefill_seqs: int = 4
-    prefill_chunk: int = 128
-    enable_prefix_caching: bool = True
-    integrity_check: bool = True  # False = NoOpTracker
-    seed: int = 0  # seeds requests that give none
-    # Weight representation per phase (None = as loaded). Prefill is compute-bound: bf16 or
-    # fp8 (int8 on CPU, where int8 dots are the fastest); decode is memory-bound: int4 (group
-    # 32/64/128), int8, fp8 or bf16.
-    prefill_weights: str | None = None
-    decode_weights: str | None = None
-    # Decode attention: "xla" (pure jnp), "pallas" (GPU kernels), "pallas_interpret" (the
-    # kernels interpreted on CPU, for tests). None = "pallas" on GPU, "xla" elsewhere.
-    attention_backend: str | None = None
-    # Quantized matmuls (jaxserve.quant.paths): "auto" (gpu on a GPU host, else cpu), "cpu",
-    # "gpu", "interpret" (the GPU formulations with Pallas interpreted on CPU, for tests).
-    matmul_backend: str = "auto"
-    # A tied model's embedding table stored as its head in each phase's format as well (fewer
-    # bytes per step, more error in the logits); off: the table stays as loaded.
-    quantize_tied_head: bool = False
-    # One process, one weight copy: prefill reads the decode representation (e.g. int4) instead
-    # of a copy of its own (prefill_weights must then be unset).
-    prefill_from_decode_weights: bool = False
-    # KV pool from a byte budget instead of num_pages: bytes ("48GiB" or an int), or a fraction
-    # of the memory free after loading (GPU: device limit minus use; CPU: available RAM).
-    kv_cache_memory: int | str | None = None
-    memory_fraction: float | None = None
-    # Finished requests the engine keeps answering `completion(id)` for (a server needs none:
-    # each request's last output carries its completion).
-    keep_finished: int = 1024
-    # A serving program compiled after warm-up raises RecompilationError (True) or is logged
-    # and counted (False: jaxserve_compiles_after_warmup). Default: $JAXSERVE_STRICT_COMPILES=1.
-    strict_compiles: bool = dataclasses.field(
-        default_factory=lambda: os.environ.get("JAXSERVE_STRICT_COMPILES", "") == "1")
+    num_pages: int = _field(256, "KV pages (page 0 is the reserved null page); or size the pool with "
+                                 "--kv-cache-memory / --memory-fraction")
+    page_size: int = _field(16, "tokens per KV page (a power of two)")
+    max_model_len: int | None = _field(None, "longest prompt + output (default: the model's context)", type=int)
+    max_num_seqs: int = _field(16, "decode batch: running requests at most")
+    max_num_batched_tokens: int = _field(256, "prefill tokens per step")
+    max_prefill_seqs: int = _field(4, "prefill rows per step")
+    prefill_chunk: int = _field(128, "new tokens of one request in one prefill step (chunked prefill)")
+    enable_prefix_caching: bool = _field(True, "turn the prefix cache off", flag="--no-prefix-caching")
+    integrity_check: bool = _field(True, "turn the KV page integrity check off", flag="--no-integrity-check")
+    seed: int = _field(0, "seeds requests that give none", cli=False)
+    # Prefill is compute-bound: bf16 or fp8 (int8 on CPU, where int8 dots are the fastest);
+    # decode is memory-bound: int4 (group 32/64/128), int8, fp8 or bf16.
+    prefill_weights: str | None = _field(None, "prefill weight format: bf16 | int8 | fp8_e4m3 | fp8:block128 "
+                                               "(default: as loaded)", type=str)
+    decode_weights: str | None = _field(None, "decode weight format: bf16 | int8 | fp8_e4m3 | fp8:block128 | "
+                                              "int4:g32|g64|g128 (default: as loaded)", type=str)
+    attention_backend: str | None = _field(
+        None, "attention over the paged cache, prefill and decode (default: pallas on a GPU, else xla; "
+              "pallas_interpret: the kernels interpreted on CPU, for tests)",
+        type=str, choices=("xla", "pallas", "pallas_interpret"))
+    matmul_backend: str = _field("auto", "quantized matmul formulations (auto: gpu on a GPU host, else cpu; "
+                                         "interpret: the GPU ones with Pallas interpreted)",
+                                 choices=("auto", "cpu", "gpu", "interpret"))
+    quantize_tied_head: bool = _field(False, "store a tied embedding's head in each phase's format too (fewer "
+                                             "bytes per step, more error in the logits)")
+    prefill_from_decode_weights: bool = _field(False, "prefill reads the decode copy (e.g. int4): one resident "
+                                                      "weight copy instead of two")
+    kv_cache_memory: int | str | None = _field(None, "KV pool size in bytes (48GiB, 512MiB, ...): decides the page "
+                                                     "count for the KV format", type=str)
+    memory_fraction: float | None = _field(None, "KV pool = this fraction of the memory free after loading (GPU: "
+                                                 "device; CPU: available RAM)", type=float)
+    keep_finished: int = _field(1024, "finished requests the engine keeps answering completion(id) for (a server "
+                                      "needs none: each request's last output carries its completion)", cli=False)
+    strict_compiles: bool = _field(
+        None, "a serving program compiled after warm-up raises (default: logged and counted; "
+              "$JAXSERVE_STRICT_COMPILES=1 turns it on)",
+        factory=lambda: os.environ.get("JAXSERVE_STRICT_COMPILES", "") == "1")
 
     def __post_init__(self):
         if self.keep_finished < 0:

@@ -49,22 +49,11 @@ def register_serve(sub) -> None:
                    help="seconds running requests get to finish on SIGTERM/SIGINT")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="activations and loaded weights (auto: bfloat16 on a GPU, float32 elsewhere)")
-    p.add_argument("--kv-format", default=None,
-                   help="bf16 | fp8_e4m3 | float32 (default: what a converted checkpoint or --preset holds, else bf16)")
     p.add_argument("--num-devices", type=int, default=1)
-    p.add_argument("--num-pages", type=int, default=256)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=256)
-    p.add_argument("--max-prefill-seqs", type=int, default=4)
-    p.add_argument("--prefill-chunk", type=int, default=128)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--no-integrity-check", action="store_true")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    from jaxserve.cli_args import add_format_args
+    from jaxserve.cli_args import add_engine_args
 
-    add_format_args(p)
+    add_engine_args(p.add_argument_group("engine (EngineConfig)"))
     p.set_defaults(func=run_serve)
 
 
@@ -98,7 +87,7 @@ def run_serve(args) -> int:
 
 def _run(args) -> tuple[int, bool]:
     from jaxserve.checkpoint.gguf import remove_stale_conversions
-    from jaxserve.cli_args import enable_compile_cache, ensure_cpu_devices, format_kwargs
+    from jaxserve.cli_args import enable_compile_cache, engine_kwargs, ensure_cpu_devices
     from jaxserve.server import auth, convert
 
     # Everything an operator can get wrong is checked before the (slow) model load.
@@ -112,15 +101,9 @@ def _run(args) -> tuple[int, bool]:
     enable_compile_cache()
     from jaxserve.llm import LLM
 
-    llm = LLM(
-        args.model, dtype=args.dtype, kv_format=args.kv_format, num_devices=args.num_devices,
-        num_pages=args.num_pages, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_seqs=args.max_prefill_seqs,
-        prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching, integrity_check=not args.no_integrity_check,
-        keep_finished=0,  # each request's last output carries its completion
-        **format_kwargs(args),
-    )
+    llm = LLM(args.model, dtype=args.dtype, kv_format=args.kv_format, num_devices=args.num_devices,
+              keep_finished=0,  # each request's last output carries its completion
+              **engine_kwargs(args))
     return asyncio.run(_serve(args, llm, keys, credentials))
 
 

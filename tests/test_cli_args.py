@@ -1,0 +1,49 @@
+"""One config: every command line's engine flags come from EngineConfig's fields (same names,
+help, and the config's own defaults when a flag is left unset)."""
+import dataclasses
+
+import pytest
+
+from jaxserve.cli import build_parser
+from jaxserve.cli_args import engine_flags, engine_kwargs, flag_of
+from jaxserve.engine.config import EngineConfig
+
+COMMANDS = (["generate", "x"], ["serve"], ["bench"])
+FIELDS = [f for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli", True)]
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_every_engine_field_is_a_flag_with_the_fields_help(cmd, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(cmd[:1] + ["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for f in FIELDS:
+        if cmd[0] == "bench" and f.name == "max_model_len":
+            continue  # bench fits it to the workload (its own flag, documented there)
+        assert flag_of(f) in text and " ".join(f.metadata["help"].split()) in text, f.name
+        value = [] if f.type == "bool" else ["7" if "int" in f.type else "0.5" if "float" in f.type else "xla"]
+        if f.metadata.get("choices"):
+            value = [f.metadata["choices"][-1]]
+        args = build_parser().parse_args(cmd + [flag_of(f)] + value)
+        assert f.name in engine_kwargs(args), f.name  # the flag sets that field
+    args = build_parser().parse_args(cmd)
+    kw = engine_kwargs(args)
+    if cmd[0] == "bench":
+        kw.pop("max_model_len", None)
+    assert kw == {}  # nothing set: EngineConfig's defaults apply
+    assert "--kv-format" in text and "--preset" in text
+
+
+def test_flags_round_trip_into_the_config_and_onto_another_command_line():
+    argv = ["serve", "--num-pages", "40", "--page-size", "8", "--no-prefix-caching", "--decode-weights", "int8",
+            "--kv-cache-memory", "4MiB", "--memory-fraction", "0.5", "--attention-backend", "xla",
+            "--prefill-from-decode-weights", "--kv-format", "fp8_e4m3"]
+    args = build_parser().parse_args(argv)
+    kw = engine_kwargs(args)
+    assert kw == dict(num_pages=40, page_size=8, enable_prefix_caching=False, decode_weights="int8",
+                      kv_cache_memory="4MiB", memory_fraction=0.5, attention_backend="xla",
+                      prefill_from_decode_weights=True)
+    cfg = EngineConfig(**kw)
+    assert not cfg.enable_prefix_caching and cfg.num_pages == 40
+    again = build_parser().parse_args(["serve"] + engine_flags(args))
+    assert engine_kwargs(again) == kw and again.kv_format == "fp8_e4m3"
