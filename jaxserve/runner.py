@@ -123,24 +123,27 @@ class ModelRunner:
         self.phase_params = {p: jax.tree.flatten(s) for p, s in states.items()}
         if states["prefill"] is states["decode"]:
             self.phase_params["prefill"] = self.phase_params["decode"]
-        # Every program input is committed to its device(s) from the start, as the programs'
-        # outputs (the KV pools, the generations) are after their first call: a jitted
-        # program's cache key includes where its inputs are committed, so an uncommitted pool
-        # at warm-up and a committed one while serving would compile the same bucket twice.
-        kv = model.init_kv(num_pages, page_size, fmt)
-        home = jax.devices()[0] if mesh is None else replicated(mesh)
-        self.kv = jax.device_put(kv, self.kv_sharding(kv) if mesh is not None else home)
-        self.generation = jax.device_put(self.tracker.init(num_pages), home)
-        if mesh is None:  # (under a mesh the weights are placed, so committed, at load)
-            placed = {id(x): x for leaves, _ in self.phase_params.values() for x in leaves}
-            placed = dict(zip(placed, jax.device_put(list(placed.values()), home)))  # an array both phases read stays one
-            self.phase_params = {p: ([placed[id(x)] for x in leaves], treedef)
-                                 for p, (leaves, treedef) in self.phase_params.items()}
+        self._commit_inputs(model.init_kv(num_pages, page_size, fmt))
         self.params, self.treedef = self.phase_params["prefill"]
         self._jitted: dict = {}
         self.warm = False
         self.strict = strict  # a compilation after warm-up raises (else it is logged and counted)
         self.compiles_after_warmup = 0
+
+    def _commit_inputs(self, kv) -> None:
+        """Commit every program input to its device(s) from the start, as the programs' outputs
+        (the KV pools, the generations) are after their first call: a jitted program's cache
+        key includes where its inputs are committed, so an uncommitted pool at warm-up and a
+        committed one while serving would compile the same bucket twice."""
+        mesh = self.mesh
+        home = jax.devices()[0] if mesh is None else replicated(mesh)
+        self.kv = jax.device_put(kv, self.kv_sharding(kv) if mesh is not None else home)
+        self.generation = jax.device_put(self.tracker.init(self.num_pages), home)
+        if mesh is None:  # (under a mesh the weights are placed, so committed, at load)
+            placed = {id(x): x for leaves, _ in self.phase_params.values() for x in leaves}
+            placed = dict(zip(placed, jax.device_put(list(placed.values()), home)))  # an array both phases read stays one
+            self.phase_params = {p: ([placed[id(x)] for x in leaves], treedef)
+                                 for p, (leaves, treedef) in self.phase_params.items()}
 
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of each phase's weights, and of what is resident (an array both phases read counts once)."""

@@ -26,8 +26,8 @@ from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.output_processor import OutputProcessor
-from jaxserve.engine.outputs import Completion, RequestOutput
-from jaxserve.engine.sampler import sample_rows
+from jaxserve.engine.outputs import Completion, EngineSnapshot, RequestOutput, StepRecord
+from jaxserve.engine.sampler import sample_rows, sample_sequences
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence
@@ -38,35 +38,6 @@ from jaxserve.runner import ModelRunner, bucket, pick_bucket, pow2_buckets, toke
 
 def default_attention_backend() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine between steps: queue, KV pages, integrity checks and compilations."""
-
-    waiting: int  # queued, not yet admitted
-    running: int  # admitted (holding pages)
-    kv_pages_total: int  # usable pages (the null page excluded)
-    kv_pages_used: int
-    kv_pages_free: int  # free or evictable (prefix cache)
-    integrity_checks: int
-    integrity_rows: int
-    integrity_mismatches: dict  # cause -> rows
-    compiles_after_warmup: int
-    preemptions: int  # since start
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-    """One program call, as a step observer sees it."""
-
-    phase: str  # "prefill" | "decode"
-    rows: int  # real rows (requests) in the call
-    new_tokens: int  # real new tokens
-    batch: int  # padded rows (the compiled bucket)
-    tokens: int  # padded tokens per row
-    running: int  # requests holding pages at the time
-    seconds: float  # wall time of the call, results on the host
 
 
 class LLMEngine:
@@ -275,24 +246,7 @@ class LLMEngine:
     def _sample(self, logits, rows: list[tuple[int, Sequence]], events) -> None:
         if not rows:
             return
-        b = bucket(len(rows))
-        idx = np.zeros((b,), np.int32)
-        temp, top_p, min_p = np.zeros(b, np.float32), np.ones(b, np.float32), np.zeros(b, np.float32)
-        top_k, seeds, steps = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
-        for j, (i, s) in enumerate(rows):
-            p = s.params
-            idx[j] = i
-            temp[j], top_p[j], min_p[j], top_k[j] = p.temperature, p.top_p, p.min_p, p.top_k
-            seeds[j], steps[j] = s.seed, len(s.output_ids)
-        penalties = any(s.params.uses_penalties for _, s in rows)
-        extra = self._penalty_inputs(rows, b) if penalties else {}
-        n_lp = max((s.params.logprobs or 0) for _, s in rows)
-        n_lp = 0 if n_lp == 0 and all(s.params.logprobs is None for _, s in rows) else bucket(max(n_lp, 1))
-        tokens, lp, top_ids, top_lp = sample_rows(
-            logits, idx, temp, top_k, top_p, min_p, seeds, steps, **extra,
-            all_greedy=all(s.params.greedy for _, s in rows), penalties=penalties, num_logprobs=n_lp,
-        )
-        tokens, lp, top_ids, top_lp = map(np.asarray, (tokens, lp, top_ids, top_lp))
+        tokens, lp, top_ids, top_lp, n_lp = sample_sequences(logits, rows, self.cfg.vocab_size)
         now = time.perf_counter()
         for j, (_, s) in enumerate(rows):
             if s.finished:
@@ -303,17 +257,6 @@ class LLMEngine:
             reason = self.outputs.append(s, tok, float(lp[j]), top, now)
             if reason is not None:
                 self._finish(s, reason)
-
-    def _penalty_inputs(self, rows, b: int) -> dict:
-        v = self.cfg.vocab_size
-        counts, seen = np.zeros((b, v), np.int32), np.zeros((b, v), bool)
-        rep, pres, freq = np.ones(b, np.float32), np.zeros(b, np.float32), np.zeros(b, np.float32)
-        for j, (_, s) in enumerate(rows):
-            np.add.at(counts[j], s.output_ids, 1)
-            seen[j, s.prompt_ids] = True
-            seen[j, s.output_ids] = True
-            rep[j], pres[j], freq[j] = s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty
-        return dict(counts=counts, seen=seen, repetition=rep, presence=pres, frequency=freq)
 
     def _finish(self, s: Sequence, reason: str, error: Exception | None = None) -> None:
         if s.finished:

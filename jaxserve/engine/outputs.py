@@ -1,4 +1,5 @@
-"""What the engine hands back: streaming deltas and finished completions."""
+"""What the engine hands back: streaming deltas and finished completions; and what it tells
+observers: a snapshot between steps, a record per program call."""
 from __future__ import annotations
 
 import dataclasses
@@ -58,3 +59,32 @@ class Completion(list):
 
     def __repr__(self):
         return f"Completion({list(self)!r}, text={self.text!r}, finish_reason={self.finish_reason!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine between steps: queue, KV pages, integrity checks and compilations."""
+
+    waiting: int  # queued, not yet admitted
+    running: int  # admitted (holding pages)
+    kv_pages_total: int  # usable pages (the null page excluded)
+    kv_pages_used: int
+    kv_pages_free: int  # free or evictable (prefix cache)
+    integrity_checks: int
+    integrity_rows: int
+    integrity_mismatches: dict  # cause -> rows
+    compiles_after_warmup: int
+    preemptions: int  # since start
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One program call, as a step observer sees it."""
+
+    phase: str  # "prefill" | "decode"
+    rows: int  # real rows (requests) in the call
+    new_tokens: int  # real new tokens
+    batch: int  # padded rows (the compiled bucket)
+    tokens: int  # padded tokens per row
+    running: int  # requests holding pages at the time
+    seconds: float  # wall time of the call, results on the host

@@ -28,6 +28,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 NUM_CANDIDATES = 256
 
@@ -116,3 +117,40 @@ def sample_rows(
         top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
     return tokens, logprob, top_ids.astype(jnp.int32), top_lp
+
+
+def sample_sequences(logits, rows, vocab_size: int):
+    """Sample one token for each (logits row index, Sequence) in ``rows`` with its own
+    parameters; -> numpy (tokens, logprobs, top ids, top logprobs, top-n bucket)."""
+    b = _bucket(len(rows))
+    idx = np.zeros((b,), np.int32)
+    temp, top_p, min_p = np.zeros(b, np.float32), np.ones(b, np.float32), np.zeros(b, np.float32)
+    top_k, seeds, steps = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
+    for j, (i, s) in enumerate(rows):
+        p = s.params
+        idx[j] = i
+        temp[j], top_p[j], min_p[j], top_k[j] = p.temperature, p.top_p, p.min_p, p.top_k
+        seeds[j], steps[j] = s.seed, len(s.output_ids)
+    penalties = any(s.params.uses_penalties for _, s in rows)
+    extra = _penalty_inputs(rows, b, vocab_size) if penalties else {}
+    n_lp = max((s.params.logprobs or 0) for _, s in rows)
+    n_lp = 0 if n_lp == 0 and all(s.params.logprobs is None for _, s in rows) else _bucket(max(n_lp, 1))
+    out = sample_rows(logits, idx, temp, top_k, top_p, min_p, seeds, steps, **extra,
+                      all_greedy=all(s.params.greedy for _, s in rows), penalties=penalties, num_logprobs=n_lp)
+    return (*map(np.asarray, out), n_lp)
+
+
+def _penalty_inputs(rows, b: int, v: int) -> dict:
+    counts, seen = np.zeros((b, v), np.int32), np.zeros((b, v), bool)
+    rep, pres, freq = np.ones(b, np.float32), np.zeros(b, np.float32), np.zeros(b, np.float32)
+    for j, (_, s) in enumerate(rows):
+        np.add.at(counts[j], s.output_ids, 1)
+        seen[j, s.prompt_ids] = True
+        seen[j, s.output_ids] = True
+        rep[j], pres[j], freq[j] = s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty
+    return dict(counts=counts, seen=seen, repetition=rep, presence=pres, frequency=freq)
+
+
+def _bucket(n: int) -> int:
+    """Smallest power of two >= n (the padded row count of a sampling call)."""
+    return 1 << (max(n, 1) - 1).bit_length()
