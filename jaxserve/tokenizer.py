@@ -213,11 +213,12 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Streams generated ids as text, emitting each character only once it is complete.
 
-    Byte-level vocabularies split one character (an emoji, a CJK glyph) over several
-    ids, and SentencePiece decoders drop a leading space when a decode starts mid-text, so
-    decoding ids one at a time is wrong. As in vLLM / HF TextStreamer, we decode a
-    window ``ids[prefix:]`` and compare it with ``ids[prefix:read]`` (already emitted): the
-    difference is new text, released only when it does not end in U+FFFD.
+    Byte-level vocabularies split one character (an emoji, a CJK glyph) over several ids,
+    and SentencePiece decoders drop a leading space when a decode starts mid-text, so
+    decoding ids one at a time is wrong. For a `tokenizers` tokenizer this is the library's
+    own ``DecodeStream``; for tiktoken (which has none), a window ``ids[prefix:]`` is decoded
+    and compared with ``ids[prefix:read]`` (already emitted): the difference is new text,
+    released only when it does not end in U+FFFD.
 
     Invariant: ``"".join(pushes) + flush() == decode(pushed ids)`` when no prompt is
     given; with `prompt_ids`, it is the text those ids add after the prompt.
@@ -231,9 +232,18 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = list(prompt_ids or [])[-self.PROMPT_CONTEXT:]
+        self.context: list[int] = list(prompt_ids or [])[-self.PROMPT_CONTEXT:]
+        self.ids: list[int] = list(self.context)
         self.prefix_offset = 0  # window start: left context for the decode
         self.read_offset = len(self.ids)  # ids before this are already emitted
+        self.emitted = ""
+        backend = getattr(tokenizer, "backend", None)
+        self._stream = None
+        if isinstance(backend, tokenizers.Tokenizer):
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(ids=self.context or None, skip_special_tokens=skip_special_tokens)
+            self._backend = backend
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -241,6 +251,14 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one generated id; return the text it completes (often "", never a fragment)."""
         self.ids.append(int(token_id))
+        if self._stream is not None:
+            piece = self._stream.step(self._backend, int(token_id)) or ""
+        else:
+            piece = self._window_step()
+        self.emitted += piece
+        return piece
+
+    def _window_step(self) -> str:
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
         if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT_CHAR):
@@ -253,7 +271,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Return whatever is still held back (e.g. a real trailing U+FFFD) at end of stream."""
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:])
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return new_text[len(prefix_text):]
+        full = self._decode(self.ids)
+        added = full[len(self._decode(self.context)):] if full.startswith(self._decode(self.context)) else full
+        tail = added[len(self.emitted):] if added.startswith(self.emitted) else ""
+        self.emitted += tail
+        return tail
