@@ -9,7 +9,9 @@
 
 ``AsyncClient`` has the same methods as coroutines (``generate_stream`` returns an async
 iterator with ``.cancel()``). Errors are ``grpc.RpcError`` with the server's status code;
-``retry_after_s(err)`` reads the retry hint sent with RESOURCE_EXHAUSTED / UNAVAILABLE.
+``retry_after_s(err)`` reads the retry hint sent with RESOURCE_EXHAUSTED / UNAVAILABLE;
+``Client(target, retries=3)`` lets gRPC itself retry those, waiting what the server asks
+(``grpc-retry-pushback-ms``).
 Sampling arguments left as None are not sent, so the server's defaults apply.
 
 A server started with ``--api-key`` / ``--tls-*`` needs the matching options:
@@ -21,6 +23,7 @@ The key travels as ``authorization: Bearer <key>`` on every call the client's me
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Iterator, Sequence
 
@@ -81,15 +84,27 @@ def _credentials(tls: bool, root_certificates: bytes | None, private_key: bytes 
     return grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
 
 
+def retry_service_config(retries: int) -> str:
+    """A gRPC service config retrying every JaxServe call up to ``retries`` more times on
+    RESOURCE_EXHAUSTED (queue full) and UNAVAILABLE (warming up, draining): gRPC waits the
+    server's ``grpc-retry-pushback-ms`` when it sends one, else backs off exponentially."""
+    policy = {"maxAttempts": min(retries + 1, 5), "initialBackoff": "0.1s", "maxBackoff": "10s",
+              "backoffMultiplier": 2, "retryableStatusCodes": ["RESOURCE_EXHAUSTED", "UNAVAILABLE"]}
+    return json.dumps({"methodConfig": [{"name": [{"service": "jaxserve.v1.JaxServe"}], "retryPolicy": policy}]})
+
+
 class _Base:
-    def __init__(self, target, timeout, api_key, aio: bool, channel, **tls):
+    def __init__(self, target, timeout, api_key, aio: bool, channel, retries: int = 0, **tls):
         self.target = target
         self.timeout = timeout
         self._auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         if channel is None:
             creds = _credentials(**tls)
             mod = grpc.aio if aio else grpc
-            channel = mod.insecure_channel(target) if creds is None else mod.secure_channel(target, creds)
+            opts = [("grpc.enable_retries", 1), ("grpc.service_config", retry_service_config(retries))] \
+                if retries else []
+            channel = (mod.insecure_channel(target, options=opts) if creds is None
+                       else mod.secure_channel(target, creds, options=opts))
         self.channel = channel
         self.stub = pb_grpc.JaxServeStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
@@ -111,9 +126,10 @@ class Client(_Base):
 
     def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None, channel=None, *,
                  api_key: str | None = None, tls: bool = False, root_certificates: bytes | None = None,
-                 private_key: bytes | None = None, certificate_chain: bytes | None = None):
-        super().__init__(target, timeout, api_key, False, channel, tls=tls, root_certificates=root_certificates,
-                         private_key=private_key, certificate_chain=certificate_chain)
+                 private_key: bytes | None = None, certificate_chain: bytes | None = None, retries: int = 0):
+        super().__init__(target, timeout, api_key, False, channel, retries, tls=tls,
+                         root_certificates=root_certificates, private_key=private_key,
+                         certificate_chain=certificate_chain)
 
     def generate(self, prompt, *, timeout: float | None = None, metadata=None, session_header: str | None = None,
                  **kwargs) -> pb.GenerateResponse:
@@ -183,9 +199,10 @@ class AsyncClient(_Base):
 
     def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None, channel=None, *,
                  api_key: str | None = None, tls: bool = False, root_certificates: bytes | None = None,
-                 private_key: bytes | None = None, certificate_chain: bytes | None = None):
-        super().__init__(target, timeout, api_key, True, channel, tls=tls, root_certificates=root_certificates,
-                         private_key=private_key, certificate_chain=certificate_chain)
+                 private_key: bytes | None = None, certificate_chain: bytes | None = None, retries: int = 0):
+        super().__init__(target, timeout, api_key, True, channel, retries, tls=tls,
+                         root_certificates=root_certificates, private_key=private_key,
+                         certificate_chain=certificate_chain)
 
     async def generate(self, prompt, *, timeout=None, metadata=None, session_header=None, **kwargs):
         return await self.stub.Generate(build_request(prompt, **kwargs), timeout=self._t(timeout),

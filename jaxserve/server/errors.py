@@ -4,48 +4,25 @@ Handlers raise ``ServeError``; the service turns it into ``context.abort(code, m
 trailing_metadata)``. The server keeps serving after every one of them.
 
 Retry information for RESOURCE_EXHAUSTED (and UNAVAILABLE while warming up / draining) is
-sent two ways, both with plain grpcio (no grpcio-status / googleapis-common-protos needed):
-- a ``retry-after-ms`` trailer (an integer), trivial to read from any client;
-- a ``grpc-status-details-bin`` trailer holding a serialized ``google.rpc.Status`` whose
-  details carry a ``google.rpc.RetryInfo`` (the standard rich-error model, what
-  ``grpc_status.rpc_status.from_call`` decodes). The two messages are declared here in a
-  private descriptor pool, so installing googleapis-common-protos later cannot conflict.
+sent the standard ways:
+- ``grpc-retry-pushback-ms``: gRPC's own retry pushback, which a channel with a retry policy
+  (``Client(retries=N)``, or any gRPC client with a service config) obeys by itself;
+- ``grpc-status-details-bin``: the rich error model (a ``google.rpc.Status`` whose details
+  hold a ``google.rpc.RetryInfo``), built with grpcio-status (``rpc_status.from_call`` reads it);
+- ``retry-after-ms``: the integer trailer earlier releases sent, kept for their clients.
 """
 from __future__ import annotations
 
 import grpc
-from google.protobuf import any_pb2, descriptor_pb2, descriptor_pool, duration_pb2, message_factory
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
+PUSHBACK_KEY = "grpc-retry-pushback-ms"
 RETRY_AFTER_KEY = "retry-after-ms"
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 INTEGRITY_CAUSE_KEY = "x-jaxserve-integrity-cause"
-
-
-def _rich_status_classes():
-    """google.rpc.Status and google.rpc.RetryInfo, wire-identical to googleapis' definitions."""
-    pool = descriptor_pool.DescriptorPool()
-    for fd in (any_pb2.DESCRIPTOR, duration_pb2.DESCRIPTOR):
-        proto = descriptor_pb2.FileDescriptorProto()
-        fd.CopyToProto(proto)
-        pool.Add(proto)
-    f = descriptor_pb2.FileDescriptorProto(name="jaxserve_private/google_rpc.proto", package="google.rpc",
-                                           syntax="proto3")
-    f.dependency.extend(["google/protobuf/any.proto", "google/protobuf/duration.proto"])
-    F = descriptor_pb2.FieldDescriptorProto
-    status = f.message_type.add(name="Status")
-    status.field.add(name="code", number=1, type=F.TYPE_INT32, label=F.LABEL_OPTIONAL)
-    status.field.add(name="message", number=2, type=F.TYPE_STRING, label=F.LABEL_OPTIONAL)
-    status.field.add(name="details", number=3, type=F.TYPE_MESSAGE, label=F.LABEL_REPEATED,
-                     type_name=".google.protobuf.Any")
-    retry = f.message_type.add(name="RetryInfo")
-    retry.field.add(name="retry_delay", number=1, type=F.TYPE_MESSAGE, label=F.LABEL_OPTIONAL,
-                    type_name=".google.protobuf.Duration")
-    pool.Add(f)
-    get = message_factory.GetMessageClass
-    return get(pool.FindMessageTypeByName("google.rpc.Status")), get(pool.FindMessageTypeByName("google.rpc.RetryInfo"))
-
-
-RpcStatus, RetryInfo = _rich_status_classes()
+RpcStatus, RetryInfo = status_pb2.Status, error_details_pb2.RetryInfo
 
 
 class ServeError(Exception):
@@ -67,14 +44,13 @@ class ServeError(Exception):
         md = list(self.extra_trailers)
         if self.retry_after_s is not None:
             ms = max(1, int(round(self.retry_after_s * 1000)))
-            md.append((RETRY_AFTER_KEY, str(ms)))
             info = RetryInfo()
-            info.retry_delay.seconds, info.retry_delay.nanos = ms // 1000, (ms % 1000) * 1_000_000
-            status = RpcStatus(code=self.code.value[0], message=self.message)
-            detail = status.details.add()  # an Any, packed by hand (the classes live in our pool)
-            detail.type_url = "type.googleapis.com/google.rpc.RetryInfo"
-            detail.value = info.SerializeToString()
-            md.append((STATUS_DETAILS_KEY, status.SerializeToString()))
+            info.retry_delay.FromMilliseconds(ms)
+            detail = any_pb2.Any()
+            detail.Pack(info)
+            status = RpcStatus(code=self.code.value[0], message=self.message, details=[detail])
+            md += [(PUSHBACK_KEY, str(ms)), (RETRY_AFTER_KEY, str(ms))]
+            md += list(rpc_status.to_status(status).trailing_metadata)
         return tuple(md)
 
 
@@ -128,12 +104,19 @@ def from_exception(error: BaseException) -> ServeError:
 
 
 def retry_after_s(err: grpc.RpcError) -> float | None:
-    """Client side: the server's retry delay in seconds from a failed call's trailers, or None."""
+    """Client side: the server's retry delay in seconds from a failed call (the rich status's
+    RetryInfo, else the pushback trailer), or None."""
     try:
-        md = err.trailing_metadata() or ()
+        md = dict(err.trailing_metadata() or ())
     except Exception:  # some RpcError objects (e.g. channel failures) carry no metadata
         return None
-    for key, value in md:
-        if key == RETRY_AFTER_KEY:
-            return int(value) / 1000.0
+    if STATUS_DETAILS_KEY in md:
+        status = RpcStatus.FromString(md[STATUS_DETAILS_KEY])
+        for detail in status.details:
+            info = RetryInfo()
+            if detail.Unpack(info):
+                return info.retry_delay.ToMilliseconds() / 1000.0
+    for key in (PUSHBACK_KEY, RETRY_AFTER_KEY):
+        if key in md:
+            return int(md[key]) / 1000.0
     return None

@@ -227,3 +227,43 @@ def test_bytes_that_are_not_a_message_are_invalid_argument(served, caplog, path,
     details = e.value.details()
     assert e.value.code() == INVALID and f"malformed request to {path}" in details and message in details
     assert not [r for r in caplog.records if r.levelno >= 40]  # no traceback logged
+
+
+def test_a_client_with_retries_waits_the_servers_pushback():
+    """gRPC's own retry policy (Client(retries=N)) retries RESOURCE_EXHAUSTED after the server's
+    grpc-retry-pushback-ms; without retries the error reaches the caller with its hint."""
+    from concurrent import futures
+
+    from jaxserve.client import Client
+    from jaxserve.server import errors
+    from jaxserve.v1 import jaxserve_pb2 as pb
+
+    calls = []
+
+    def model_info(request, context):
+        calls.append(time.monotonic())
+        if len(calls) % 2:  # every other call: the queue is full, come back in 0.4 s
+            e = errors.queue_full(3, 3, 0.4)
+            context.abort_with_status(_status(e))
+        return pb.ModelInfo(model="fake")
+
+    def _status(e):
+        class S(grpc.Status):
+            code, details, trailing_metadata = e.code, e.message, e.trailing_metadata()
+        return S()
+
+    handler = grpc.method_handlers_generic_handler("jaxserve.v1.JaxServe", {"GetModelInfo": grpc.unary_unary_rpc_method_handler(
+        model_info, request_deserializer=pb.GetModelInfoRequest.FromString, response_serializer=pb.ModelInfo.SerializeToString)})
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with Client(f"127.0.0.1:{port}", timeout=10, retries=2) as c:
+            assert c.model_info().model == "fake"
+        assert len(calls) == 2 and calls[1] - calls[0] >= 0.35  # the pushback was obeyed
+        with Client(f"127.0.0.1:{port}", timeout=10) as c, pytest.raises(grpc.RpcError) as e:
+            c.model_info()
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_after_s(e.value) == 0.4
+    finally:
+        server.stop(0)
