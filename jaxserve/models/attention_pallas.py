@@ -1,13 +1,17 @@
 """The decode attention backends beside XLA: the Pallas paged-attention kernels (GPU, or
-interpreted on CPU for tests) for the cached context, merged by log-sum-exp with the step's new
-token, on one device or per device under a mesh (shard_map over the query heads).
+interpreted on CPU for tests), on one device or per device under a mesh (shard_map over the
+query heads).
+
+The step has already written its new token's K/V into its page, so the kernel attends over
+the row's cached context and that token (ctx_len = cached + new): the new token is seen as
+the cache stores it (rounded / quantized by the KV format), exactly as every later step will
+see it, so decode numbers do not depend on the schedule.
 """
 from __future__ import annotations
 
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.kv import paged
@@ -16,15 +20,15 @@ from jaxserve.sharding import MODEL_AXIS
 BACKENDS = ("xla", "pallas", "pallas_interpret")
 
 
-def mla_decode_pallas(q_lat, q_rope, kv, fmt, new_lat, new_rope, step, scale: float, interpret: bool, mesh=None):
-    """q_lat [B, 1, H, R], q_rope [B, 1, H, Dr], new_lat [B, 1, R], new_rope [B, 1, Dr] -> [B, 1, H, R].
+def mla_decode_pallas(q_lat, q_rope, kv, fmt, step, scale: float, interpret: bool, mesh=None):
+    """q_lat [B, 1, H, R], q_rope [B, 1, H, Dr] -> [B, 1, H, R] over pages holding the new token.
 
     Under a ``mesh`` the kernel runs per device on its query heads (the latent pools are
     replicated); see ``_decode_on_mesh``.
     """
     scales = (kv["latent_scale"], kv["rope_scale"]) if "latent_scale" in kv else ()
-    args = (q_lat[:, 0], q_rope[:, 0], new_lat[:, 0], new_rope[:, 0], step.page_table, step.cached_lens,
-            step.new_lens, paged.values_view(kv["latent"], fmt), paged.values_view(kv["rope"], fmt), *scales)
+    args = (q_lat[:, 0], q_rope[:, 0], step.page_table, step.cached_lens + step.new_lens,
+            paged.values_view(kv["latent"], fmt), paged.values_view(kv["rope"], fmt), *scales)
     body = functools.partial(_mla_decode, scale=scale, interpret=interpret)
     if mesh is None:
         return body(*args)[:, None]
@@ -33,23 +37,18 @@ def mla_decode_pallas(q_lat, q_rope, kv, fmt, new_lat, new_rope, step, scale: fl
     return _decode_on_mesh(body, mesh, args, (heads, heads) + (P(),) * (len(args) - 2), heads)[:, None]
 
 
-def _mla_decode(ql, qr, new_lat, new_rope, page_table, cached_lens, new_lens, lat_pool, rope_pool, *scales,
-                scale, interpret):
+def _mla_decode(ql, qr, page_table, lens, lat_pool, rope_pool, *scales, scale, interpret):
     """One device's (or the only) MLA decode: ql [B, H, R], qr [B, H, Dr] -> [B, H, R]."""
-    from pallas_kernels.paged_attention import merge_attention, paged_attention_mla
+    from pallas_kernels.paged_attention import paged_attention_mla
 
     ls, rs = scales or (None, None)
-    out_p, lse_p = paged_attention_mla(ql, qr, lat_pool, rope_pool, ls, rs, page_table, cached_lens, scale=scale,
-                                       interpret=interpret)
-    s_new = (jnp.einsum("bhr,br->bh", ql, new_lat) + jnp.einsum("bhd,bd->bh", qr, new_rope)) * scale
-    lse_new = jnp.where(new_lens[:, None] > 0, s_new.astype(jnp.float32), -jnp.inf)
-    out_new = jnp.broadcast_to(new_lat[:, None, :], ql.shape)
-    out, _ = merge_attention(out_p, lse_p, out_new.astype(out_p.dtype), lse_new)
+    out, _ = paged_attention_mla(ql, qr, lat_pool, rope_pool, ls, rs, page_table, lens, scale=scale,
+                                 interpret=interpret)
     return out
 
 
-def gqa_decode_pallas(q, kv, fmt, new_k, new_v, step, scale: float, interpret: bool, mesh=None):
-    """q [B, 1, H, D], new_k/new_v [B, 1, K, D] -> [B, 1, H, D].
+def gqa_decode_pallas(q, kv, fmt, step, scale: float, interpret: bool, mesh=None):
+    """q [B, 1, H, D] -> [B, 1, H, D] over pages holding the new token.
 
     Under a ``mesh`` the kernel runs per device on its query heads: with the KV heads split
     over the mesh (K divides over the devices), each device's pools hold exactly its heads'
@@ -60,15 +59,15 @@ def gqa_decode_pallas(q, kv, fmt, new_k, new_v, step, scale: float, interpret: b
     running every KV head on every device.
     """
     scales = (kv["k_scale"], kv["v_scale"]) if "k_scale" in kv else ()
-    args = (q[:, 0], new_k[:, 0], new_v[:, 0], step.page_table, step.cached_lens, step.new_lens,
+    args = (q[:, 0], step.page_table, step.cached_lens + step.new_lens,
             paged.values_view(kv["k"], fmt), paged.values_view(kv["v"], fmt), *scales)
     if mesh is None:
         return _gqa_decode(*args, scale=scale, interpret=interpret, kv_slice=None)[:, None]
-    n, h, k = mesh.shape[MODEL_AXIS], q.shape[2], new_k.shape[2]
+    n, h, k = mesh.shape[MODEL_AXIS], q.shape[2], kv["k"].shape[0]
     g, local = h // k, h // n
     heads = P(None, MODEL_AXIS)
     if k % n == 0:  # pools split by KV head (runner.kv_sharding): each device has its heads' KV heads
-        specs, slice_, out = (heads, heads, heads) + (P(),) * 3 + (P(MODEL_AXIS),) * (len(args) - 6), None, heads
+        specs, slice_, out = (heads,) + (P(),) * 2 + (P(MODEL_AXIS),) * (len(args) - 3), None, heads
     elif h % n == 0 and (local % g == 0 or g % local == 0):  # replicated pools, query heads split
         specs, slice_, out = (heads,) + (P(),) * (len(args) - 1), (local, g), heads
     else:  # query heads straddle KV heads: every device runs all heads
@@ -77,40 +76,31 @@ def gqa_decode_pallas(q, kv, fmt, new_k, new_v, step, scale: float, interpret: b
     return _decode_on_mesh(body, mesh, args, specs, out)[:, None]
 
 
-def _gqa_decode(q1, kn, vn, page_table, cached_lens, new_lens, k_pool, v_pool, *scales, scale, interpret, kv_slice):
-    """One device's (or the only) GQA decode: q1 [B, H, D], kn/vn [B, K, D] -> [B, H, D].
+def _gqa_decode(q1, page_table, lens, k_pool, v_pool, *scales, scale, interpret, kv_slice):
+    """One device's (or the only) GQA decode: q1 [B, H, D] -> [B, H, D].
 
-    ``kv_slice`` = (local query heads, group): the pools and kn/vn hold every KV head and this
-    device reads only those of its query heads (a dynamic slice at its mesh index).
+    ``kv_slice`` = (local query heads, group): the pools hold every KV head and this device
+    reads only those of its query heads (a dynamic slice at its mesh index).
     """
-    from pallas_kernels.paged_attention import merge_attention, paged_attention_gqa
+    from pallas_kernels.paged_attention import paged_attention_gqa
 
     if kv_slice is not None:
         local, g = kv_slice
         count = max(local // g, 1)
         first = jax.lax.axis_index(MODEL_AXIS) * local // g
-        take = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, first, count, axis)  # noqa: E731
-        kn, vn = take(kn, 1), take(vn, 1)
-        k_pool, v_pool = take(k_pool, 0), take(v_pool, 0)
-        scales = tuple(take(s, 0) for s in scales)
+        take = lambda x: jax.lax.dynamic_slice_in_dim(x, first, count, 0)  # noqa: E731
+        k_pool, v_pool = take(k_pool), take(v_pool)
+        scales = tuple(take(s) for s in scales)
     ks, vs = scales or (None, None)
-    h = q1.shape[1]
-    out_p, lse_p = paged_attention_gqa(q1, k_pool, v_pool, ks, vs, page_table, cached_lens, scale=scale,
-                                       interpret=interpret)
-    group = h // kn.shape[1]
-    kn = jnp.repeat(kn, group, axis=1)  # [B, H, D]: each query head's KV head
-    vn = jnp.repeat(vn, group, axis=1)
-    s_new = jnp.einsum("bhd,bhd->bh", q1, kn) * scale
-    lse_new = jnp.where(new_lens[:, None] > 0, s_new.astype(jnp.float32), -jnp.inf)
-    out, _ = merge_attention(out_p, lse_p, vn.astype(out_p.dtype), lse_new)
+    out, _ = paged_attention_gqa(q1, k_pool, v_pool, ks, vs, page_table, lens, scale=scale, interpret=interpret)
     return out
 
 
 # ----------------------------------------------------------------------------- under a mesh
 # The Pallas kernels are per-device programs: XLA cannot partition a kernel call, so under a
-# mesh each decode runs inside shard_map (kernel, new-token scores and the log-sum-exp merge
-# all per device, per head: no communication). The runner hands the mesh down with the
-# backend name (``on_mesh``), the one argument every attention layer already takes.
+# mesh each decode runs inside shard_map (the kernel per device, per head: no communication).
+# The runner hands the mesh down with the backend name (``on_mesh``), the one argument every
+# attention layer already takes.
 
 
 class MeshBackend(str):

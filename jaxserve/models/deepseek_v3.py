@@ -51,7 +51,7 @@ class MLAttention(nnx.Module):
         lat = self.kv_a_norm(ckv[..., :r])
         k_rope = apply_rope(ckv[..., r:], cos, sin, cfg.rope_interleave)
 
-        # Write this step's tokens into their pages, then read the cached context back.
+        # Write this step's tokens into their pages, then attend to the pages (its own tokens too).
         num_pages = kv["latent"].shape[0]
         page, off = paged.token_slots(step.page_table, step.positions, step.valid, page_size, num_pages)
         kv = paged.store(fmt, kv, "latent", lat, page, off)
@@ -63,13 +63,11 @@ class MLAttention(nnx.Module):
         ).astype(x.dtype)
         if backend != "xla" and x.shape[1] == 1:  # decode: the paged half in the Pallas kernel
             out_lat = mla_decode_pallas(
-                q_lat, q_rope, kv, fmt, lat, k_rope, step, cfg.softmax_scale, backend == "pallas_interpret",
-                mesh=backend_mesh(backend),
+                q_lat, q_rope, kv, fmt, step, cfg.softmax_scale, backend == "pallas_interpret", mesh=backend_mesh(backend),
             )
-        else:
+        else:  # attends to the pages just written: the new latent as the cache stores it
             out_lat = mla_attention_paged(
-                q_lat, q_rope, kv, fmt, step.page_table, step.cached_lens, lat, k_rope, step.causal_mask(),
-                cfg.softmax_scale, page_size,
+                q_lat, q_rope, kv, fmt, step.page_table, step.cached_lens, step.new_lens, cfg.softmax_scale, page_size,
             )
         out = head_columns(  # absorb W_uv
             self.kv_b, per_head,

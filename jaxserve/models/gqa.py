@@ -60,11 +60,11 @@ class GQAttention(nnx.Module):
         kv = paged.store(fmt, kv, "k", k, page, off, headed=True)
         kv = paged.store(fmt, kv, "v", v, page, off, headed=True)
         if backend != "xla" and x.shape[1] == 1:  # decode: the paged half in the Pallas kernel
-            out = gqa_decode_pallas(q, kv, fmt, k, v, step, cfg.softmax_scale, backend == "pallas_interpret",
+            out = gqa_decode_pallas(q, kv, fmt, step, cfg.softmax_scale, backend == "pallas_interpret",
                                     mesh=backend_mesh(backend))
-        else:
+        else:  # attends to the pages just written: the new K/V as the cache stores them
             out = gqa_attention_paged(
-                q, kv, fmt, step.page_table, step.cached_lens, k, v, step.causal_mask(), cfg.softmax_scale, page_size
+                q, kv, fmt, step.page_table, step.cached_lens, step.new_lens, cfg.softmax_scale, page_size
             )
         y = linear(out, self.o, contract=2)
         return (y + self.o_bias[...] if self.o_bias is not None else y), kv
