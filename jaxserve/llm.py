@@ -19,8 +19,8 @@ from jaxserve.sharding import make_mesh
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
-# Named configurations. "article": the deployment the source article describes: FP8 KV in
-# decode (prefill attends to its own tokens unquantized and stores FP8 pages), FP8 block-scaled
+# Named configurations. "article": the deployment the source article describes: FP8 KV (every
+# token attends to K/V as the FP8 pages store them, its own chunk's included), FP8 block-scaled
 # weights for compute-bound prefill, INT4 group-32 weights (as Kimi K2 ships) for decode.
 PRESETS = {
     # The article's deployment (GPU): FP8 KV, FP8 block-scaled prefill, INT4 group-32 decode.

@@ -24,6 +24,7 @@ from flax import nnx
 
 from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, pad_updates
 from jaxserve.kv.formats import KVFormat
+from jaxserve.models.attention_backends import get_backend
 from jaxserve.models.step import StepInput
 from jaxserve.quant.linear import describe, resolve_backend, use_backend
 from jaxserve.quant.phase import PhaseWeight, phase_states
@@ -105,14 +106,9 @@ class ModelRunner:
         self.max_pages_per_seq = bucket(max_pages_per_seq or num_pages - 1)
         self.graphdef, state = nnx.split(model)
         self.dtype = model.dtype
-        from jaxserve.models.attention_pallas import BACKENDS, on_mesh
-
-        if attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
-        if attention_backend != "xla" and mesh is not None:
-            # The Pallas attention kernels run per device (shard_map over the query heads): the
-            # backend name carries the mesh down to the attention layers.
-            attention_backend = on_mesh(attention_backend, mesh)
+        # The attention backend object every layer calls (the Pallas ones carry the mesh their
+        # kernels run over, per device under shard_map).
+        self.attention = get_backend(attention_backend, mesh)
         self.attention_backend = attention_backend
         self.matmul_backend = resolve_backend(matmul_backend)
         if self.matmul_backend == "interpret" and mesh is not None:
@@ -173,7 +169,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ programs
     def _model_fn(self, all_logits: bool, phase: str = "prefill"):
         graphdef, fmt, page_size = self.graphdef, self.fmt, self.page_size
-        backend = self.attention_backend
+        backend = self.attention
         treedef = self.phase_params[phase][1]
 
         matmuls = self.matmul_backend

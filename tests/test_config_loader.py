@@ -62,7 +62,7 @@ def test_real_style_legacy_checkpoint_loads_and_matches(ckpt, tmp_path):
     path = copy_ckpt(ckpt[0], tmp_path / "kimi")
     raw = legacy_config(json.loads((path / "config.json").read_text()))
     (path / "config.json").write_text(json.dumps(raw))
-    lp = LLM(str(path), num_pages=8, page_size=8).logprobs(IDS)
+    lp = LLM(str(path), kv_format="float32", num_pages=8, page_size=8).logprobs(IDS)  # the reference KV precision
     with torch.no_grad():
         ref = torch.log_softmax(ckpt[1](torch.tensor([IDS])).logits[0], -1).numpy()
     assert np.abs(lp - ref).max() <= 1e-4

@@ -197,9 +197,10 @@ def test_quality_tiny(tiny_llama, tmp_path, monkeypatch):
     # int4 decode weights: the prefill phase (float32 weights and KV) is exactly the reference.
     assert w4["phases"]["prefill"]["kl"]["point"] == 0.0 and w4["phases"]["prefill"]["top1_agreement"]["point"] == 1.0
     assert w4["phases"]["decode"]["kl"]["point"] > 0
-    # fp8 KV: the first prefill chunk reads no pages (exact); later chunks and decode do.
+    # fp8 KV: every position attends to K/V as the pages store them, its own chunk's too, so
+    # both prefill chunks and decode move away from the reference.
     pos = np.array(kv["kl_by_position"])
-    assert np.all(pos[:16] == 0) and pos[16:32].mean() > 0 and pos[32:].mean() > 0
+    assert pos[:16].mean() > 0 and pos[16:32].mean() > 0 and pos[32:].mean() > 0
     for r_ in (kv, w4):
         for ph in ("prefill", "decode", "all"):
             ci = r_["phases"][ph]["kl"]

@@ -8,10 +8,10 @@ How each format is really exercised. A configuration is a KV format plus a prefi
 decode weight representation (``NAME=KV/PREFILL/DECODE``). For a batch of documents:
 
 1. prefill phase: the first P tokens go through the engine's *prefill* program in chunks of
-   ``chunk`` tokens (``runner.run``, all logits). A chunk attends to its own tokens in flight
-   (full precision) and to every earlier chunk through the KV pages, i.e. as stored in the KV
-   format and dequantized on read. It computes with the prefill weights, and writes the
-   prefix's KV pages.
+   ``chunk`` tokens (``runner.run``, all logits). A chunk writes its tokens' KV into the pages
+   and attends to them and to every earlier chunk through the pages, i.e. as stored in the KV
+   format and dequantized on read (as every step does, so a token's numbers do not depend on
+   where chunks split). It computes with the prefill weights, and writes the prefix's KV pages.
 2. decode phase: the next C tokens are fed one per step through the engine's *decode* program
    (``runner.step("decode", ...)``, teacher forcing the document's tokens). Every step reads
    the whole context back from the pages (the prefix written by prefill, the rest by earlier

@@ -103,6 +103,13 @@ def store(fmt: KVFormat, pools: dict, name: str, values, page, offset, headed: b
     return out
 
 
+def as_stored(fmt: KVFormat, values, dtype):
+    """``values`` as the cache stores them: quantized by ``fmt`` and dequantized to ``dtype``,
+    what reading them back from their pages gives (the container bit-cast is exact)."""
+    q, scale = fmt.quantize(values)
+    return fmt.dequantize(q, scale, dtype)
+
+
 def load(fmt: KVFormat, pools: dict, name: str, page_table, dtype, headed: bool = False):
     """Gather a row's pages for pools[name] and dequantize -> [B, C, X] or [B, H, C, D]."""
     gather = gather_rows_headed if headed else gather_rows

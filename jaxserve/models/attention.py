@@ -1,17 +1,20 @@
-"""Attention over paged context plus in-flight new tokens (the XLA / pure-jnp path).
+"""Attention over paged K/V (the XLA / pure-jnp path).
 
-Every step attends to two key sets: the row's cached context, gathered from KV pages and
-dequantized (slots < cached_len), and the step's own new tokens in full precision (causal).
-Prefill (T = chunk) and decode (T = 1) are the same computation; the Pallas kernels in
-``pallas_kernels/`` implement the paged half for the GPU (``attention_pallas``: prefill and decode).
+The serving path (``gqa_attention_paged`` / ``mla_attention_paged``) runs after the step has
+written its new tokens' K/V into their pages, and reads every key, the step's own included,
+back from the pages: each token attends to K/V exactly as the cache stores them (rounded or
+quantized by the KV format), in the same blocks of absolute positions, whichever step wrote
+them. So a request's numbers do not depend on where its prompt was split into chunks, on a
+prefix-cache hit, or on what else is in the batch. Prefill (T = chunk) and decode (T = 1)
+are the same computation. The backends (this one, and the Pallas kernels for GPU) are chosen
+by name in ``attention_backends``.
 
-The serving path (``gqa_attention_paged`` / ``mla_attention_paged``) reads the cached context
-in chunks of pages inside a loop whose trip count is the batch's longest cached context, with
-an online softmax (running max, denominator and weighted sum in float32). The page table keeps
-one fixed width (the longest sequence the engine admits), so there is one program per padding
-bucket, yet a step costs what the batch's real context costs, not what the table's width
-would. ``gqa_attention`` / ``mla_attention`` are the one-shot forms over an already gathered
-context (the reference the chunked form is tested against).
+Pages are read in chunks of pages inside a loop whose trip count is the batch's longest
+sequence, with an online softmax (running max, denominator and weighted sum in float32). The
+page table keeps one fixed width (the longest sequence the engine admits), so there is one
+program per padding bucket, yet a step costs what the batch's real context costs, not what
+the table's width would. ``gqa_attention`` / ``mla_attention`` are one-shot forms over an
+already gathered context plus new tokens (the references the paged form is tested against).
 """
 from __future__ import annotations
 
@@ -79,8 +82,9 @@ def chunk_pages(page_size: int, width: int, chunk_tokens: int = CHUNK_TOKENS) ->
 
 
 def gathered_slots(width: int, page_size: int, context: int, chunk_tokens: int = CHUNK_TOKENS) -> int:
-    """Context slots per row the XLA path gathers when the batch's longest cached context is
-    ``context`` and the page table is ``width`` pages wide (for benchmarks' byte counts)."""
+    """Slots per row the XLA path gathers when the batch's longest sequence (cached + new
+    tokens) is ``context`` and the page table is ``width`` pages wide (for benchmarks' byte
+    counts)."""
     cp = chunk_pages(page_size, width, chunk_tokens)
     n_total = -(-width // cp)
     if n_total == 1:
@@ -89,12 +93,13 @@ def gathered_slots(width: int, page_size: int, context: int, chunk_tokens: int =
     return min(-(-context // ct), n_total) * ct
 
 
-def _context_loop(page_table, cached_lens, page_size: int, cp: int, init, update):
-    """Run ``update(page_chunk [B, cp], slot_mask [B, cp*S], carry)`` over the page table in
-    chunks of ``cp`` pages, for as many chunks as the longest cached context needs.
+def _context_loop(page_table, total_lens, page_size: int, cp: int, init, update):
+    """Run ``update(page_chunk [B, cp], slot_pos [cp*S], carry)`` over the page table in chunks
+    of ``cp`` pages, for as many chunks as the longest row (``total_lens`` [B]) needs.
 
-    The table is padded with the null page to a whole number of chunks (padded slots are
-    masked: they lie past every row's cached length), so no chunk start is ever clamped.
+    ``slot_pos`` are the chunk's token positions (the same for every row); the caller masks
+    them per row and query. The table is padded with the null page to a whole number of
+    chunks (padded slots lie past every row's length), so no chunk start is ever clamped.
     """
     m = page_table.shape[1]
     n_total = -(-m // cp)
@@ -103,30 +108,35 @@ def _context_loop(page_table, cached_lens, page_size: int, cp: int, init, update
     ct = cp * page_size
     if n_total == 1:
         # One chunk spans the table: straight-line code. (A loop of at most one trip is
-        # simplified by XLA anyway, and then it may fuse the step's one-token KV write into
-        # this gather, which costs whole-pool copies; a plain gather after the write does not.)
-        pos = jnp.arange(ct, dtype=jnp.int32)
-        return update(page_table, pos[None, :] < cached_lens[:, None], init)
-    n = jnp.minimum((jnp.max(cached_lens) + ct - 1) // ct, n_total)
+        # simplified by XLA anyway, and then it may fuse the step's KV write into this
+        # gather, which costs whole-pool copies; a plain gather after the write does not.)
+        return update(page_table, jnp.arange(ct, dtype=jnp.int32), init)
+    n = jnp.minimum((jnp.max(total_lens) + ct - 1) // ct, n_total)
 
     def body(i, carry):
         pt = jax.lax.dynamic_slice_in_dim(page_table, i * cp, cp, axis=1)
-        pos = i * ct + jnp.arange(ct, dtype=jnp.int32)
-        return update(pt, pos[None, :] < cached_lens[:, None], carry)
+        return update(pt, i * ct + jnp.arange(ct, dtype=jnp.int32), carry)
 
     return jax.lax.fori_loop(0, n, body, init)
 
 
-def _online_start(s, mask):
-    """Softmax state from the first key block: scores s [..., U] (f32, scaled), mask [..., U]."""
-    s = jnp.where(mask, s, _NEG)
-    m = s.max(-1)
-    p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
-    return m, p
+def _visible(slot_pos, cached_lens, new_lens, t: int):
+    """bool [B, T, C]: query t of row b (at position cached + t) sees the slots at positions
+    <= its own among the row's cached + new tokens."""
+    q_pos = cached_lens[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    total = (cached_lens + new_lens)[:, None, None]
+    return (slot_pos[None, None, :] <= q_pos[:, :, None]) & (slot_pos[None, None, :] < total)
+
+
+def _online_empty(shape, width: int):
+    """Softmax state before any key: running max, denominator [*shape], weighted sum [*shape, width]."""
+    f32 = jnp.float32
+    return jnp.full(shape, _NEG, f32), jnp.zeros(shape, f32), jnp.zeros(shape + (width,), f32)
 
 
 def _online_step(m, l, acc, s, mask, values):
-    """Fold one more key block into (m, l, acc); ``values(p)`` -> p @ V for the block."""
+    """Fold one more key block into (m, l, acc); s [..., U] f32 scaled scores, mask [..., U];
+    ``values(p)`` -> p @ V for the block."""
     s = jnp.where(mask, s, _NEG)
     m_new = jnp.maximum(m, s.max(-1))
     corr = jnp.exp(m - m_new)
@@ -139,72 +149,61 @@ def _finish(l, acc):
     return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
 
-def gqa_attention_paged(q, kv, fmt, page_table, cached_lens, new_k, new_v, causal, scale: float, page_size: int,
+def gqa_attention_paged(q, kv, fmt, page_table, cached_lens, new_lens, scale: float, page_size: int,
                         chunk_tokens: int = CHUNK_TOKENS):
-    """Grouped-query attention reading the cached context from pages in chunks.
+    """Grouped-query attention over pages that already hold this step's K/V.
 
-    q [B, T, H, D]; kv pools "k"/"v" [KVH, P, S, D] (+ scales) in ``fmt``; page_table [B, M];
-    cached_lens [B]; new_k/new_v [B, T, KVH, D]; causal [B, T, T] -> [B, T, H, D] in q.dtype.
+    q [B, T, H, D] (row b's query t at position cached_lens[b] + t); kv pools "k"/"v"
+    [KVH, P, S, D] (+ scales) in ``fmt``; page_table [B, M]; cached_lens, new_lens [B]
+    -> [B, T, H, D] in q.dtype.
     """
     b, t, h, d = q.shape
-    k = new_k.shape[2]
+    k = kv["k"].shape[0]
     g = h // k
     dt = q.dtype
     f32 = jnp.float32
     qg = q.reshape(b, t, k, g, d)
-    s_new = jnp.einsum("btkgd,bukd->bkgtu", qg, new_k, preferred_element_type=f32) * scale
-    m, p = _online_start(s_new, causal[:, None, None])
-    l = p.sum(-1)
-    acc = jnp.einsum("bkgtu,bukd->bkgtd", p.astype(dt), new_v, preferred_element_type=f32)
 
-    def update(pt, mask, carry):
+    def update(pt, slot_pos, carry):
         ck = paged.load_chunk(fmt, kv, "k", pt, dt, headed=True)  # [KVH, B, C, D]
         cv = paged.load_chunk(fmt, kv, "v", pt, dt, headed=True)
         s = jnp.einsum("btkgd,kbcd->bkgtc", qg, ck, preferred_element_type=f32) * scale
         return _online_step(
-            *carry, s, mask[:, None, None, None, :],
+            *carry, s, _visible(slot_pos, cached_lens, new_lens, t)[:, None, None],
             lambda p: jnp.einsum("bkgtc,kbcd->bkgtd", p.astype(dt), cv, preferred_element_type=f32),
         )
 
     cp = chunk_pages(page_size, page_table.shape[1], chunk_tokens)
-    _, l, acc = _context_loop(page_table, cached_lens, page_size, cp, (m, l, acc), update)
+    init = _online_empty((b, k, g, t), d)
+    _, l, acc = _context_loop(page_table, cached_lens + new_lens, page_size, cp, init, update)
     out = _finish(l, acc)  # [B, K, G, T, D]
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d).astype(dt)
 
 
-def mla_attention_paged(q_lat, q_rope, kv, fmt, page_table, cached_lens, new_lat, new_rope, causal, scale: float,
-                        page_size: int, chunk_tokens: int = CHUNK_TOKENS):
-    """Absorbed-form MLA reading the cached latent / rope key from pages in chunks.
+def mla_attention_paged(q_lat, q_rope, kv, fmt, page_table, cached_lens, new_lens, scale: float, page_size: int,
+                        chunk_tokens: int = CHUNK_TOKENS):
+    """Absorbed-form MLA over pages that already hold this step's latent / rope key.
 
-    q_lat [B, T, H, R], q_rope [B, T, H, Dr]; kv pools "latent" [P, S, R], "rope" [P, S, Dr];
-    new_lat [B, T, R], new_rope [B, T, Dr], causal [B, T, T] -> [B, T, H, R] in q_lat.dtype.
+    q_lat [B, T, H, R], q_rope [B, T, H, Dr] (row b's query t at position cached_lens[b] + t);
+    kv pools "latent" [P, S, R], "rope" [P, S, Dr]; cached_lens, new_lens [B]
+    -> [B, T, H, R] in q_lat.dtype.
     """
+    b, t, h, r = q_lat.shape
     dt = q_lat.dtype
     f32 = jnp.float32
 
-    def scores(lat, rope, spec):
-        return (jnp.einsum(f"bthr,{spec}r->bht{spec[-1]}", q_lat, lat, preferred_element_type=f32)
-                + jnp.einsum(f"bthd,{spec}d->bht{spec[-1]}", q_rope, rope, preferred_element_type=f32)) * scale
-
-    m, p = _online_start(scores(new_lat, new_rope, "bu"), causal[:, None])
-    l = p.sum(-1)
-    acc = jnp.einsum("bhtu,bur->bhtr", p.astype(dt), new_lat, preferred_element_type=f32)
-
-    def update(pt, mask, carry):
+    def update(pt, slot_pos, carry):
         c_lat = paged.load_chunk(fmt, kv, "latent", pt, dt)  # [B, C, R]
         c_rope = paged.load_chunk(fmt, kv, "rope", pt, dt)
+        s = (jnp.einsum("bthr,bcr->bhtc", q_lat, c_lat, preferred_element_type=f32)
+             + jnp.einsum("bthd,bcd->bhtc", q_rope, c_rope, preferred_element_type=f32)) * scale
         return _online_step(
-            *carry, scores(c_lat, c_rope, "bc"), mask[:, None, None, :],
+            *carry, s, _visible(slot_pos, cached_lens, new_lens, t)[:, None],
             lambda p: jnp.einsum("bhtc,bcr->bhtr", p.astype(dt), c_lat, preferred_element_type=f32),
         )
 
     cp = chunk_pages(page_size, page_table.shape[1], chunk_tokens)
-    _, l, acc = _context_loop(page_table, cached_lens, page_size, cp, (m, l, acc), update)
+    init = _online_empty((b, h, t), r)
+    _, l, acc = _context_loop(page_table, cached_lens + new_lens, page_size, cp, init, update)
     return jnp.transpose(_finish(l, acc), (0, 2, 1, 3)).astype(dt)
 
-
-# ----------------------------------------------------------------------------- Pallas decode
-# Decode (one new token per row) with the paged half in a Pallas kernel: the kernel attends
-# to the cached context (ctx_len = cached_lens, so it never reads the just-written token back
-# quantized), the new token's own key is scored here, and the two are merged exactly by
-# log-sum-exp.

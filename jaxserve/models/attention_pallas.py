@@ -1,6 +1,11 @@
-"""The attention backends beside XLA: the Pallas paged-attention kernels (GPU, or interpreted on
-CPU for tests) for the cached context, merged by log-sum-exp with the step's own tokens (XLA),
-on one device or per device under a mesh (shard_map over the query heads).
+"""The Pallas attention backend's body: the paged-attention kernels (GPU, or interpreted on
+CPU for tests) for the cached context, merged by log-sum-exp with the step's own tokens, on one
+device or per device under a mesh (shard_map over the query heads).
+
+The step has already written its own K/V into their pages, and its own tokens are attended to
+as stored (the caller passes ``paged.as_stored`` values: what reading them back gives), so the
+numbers do not depend on the schedule (to float rounding: the kernel's blocks and the merge
+group the sums differently from the XLA path's position blocks).
 
 Prefill and decode take the same path: every query of a step reads all of its row's cached
 context (the kernel; no causal mask is needed there) and its own step's tokens causally (a
@@ -20,7 +25,6 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.kv import paged
 from jaxserve.sharding import MODEL_AXIS
 
-BACKENDS = ("xla", "pallas", "pallas_interpret")
 
 
 GQA_ROWS = 64  # query rows per GQA kernel program (the tokens of a block x the group)
@@ -155,29 +159,7 @@ def _gqa_cached(q, k_pool, v_pool, scales, page_table, cached_lens, scale, inter
 # ----------------------------------------------------------------------------- under a mesh
 # The Pallas kernels are per-device programs: XLA cannot partition a kernel call, so under a
 # mesh each step's attention runs inside shard_map (kernel, own-token scores and the merge
-# all per device, per head: no communication). The runner hands the mesh down with the
-# backend name (``on_mesh``), the one argument every attention layer already takes.
-
-
-class MeshBackend(str):
-    """An attention backend name that carries the device mesh its kernels run over; it
-    compares and prints as the plain name."""
-
-    mesh = None
-
-
-def on_mesh(backend: str, mesh) -> str:
-    """``backend`` for a model sharded over ``mesh`` (None: single device, the plain name)."""
-    if mesh is None:
-        return str(backend)
-    out = MeshBackend(backend)
-    out.mesh = mesh
-    return out
-
-
-def backend_mesh(backend: str):
-    """The mesh ``on_mesh`` attached to ``backend`` (None: single device)."""
-    return getattr(backend, "mesh", None)
+# all per device, per head: no communication). The backend object carries the mesh.
 
 
 def _on_mesh(body, mesh, args, in_specs, out_specs):

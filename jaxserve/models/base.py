@@ -16,6 +16,7 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.kv.formats import KVFormat
+from jaxserve.models.attention_backends import XLA
 from jaxserve.models.layers import DenseMLP, MoE, RMSNorm, param, rope_cos_sin, rope_inv_freq
 from jaxserve.models.step import StepInput, last_token_index
 from jaxserve.quant.linear import embedding, linear, tied_head
@@ -54,7 +55,7 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype, rngs)
 
-    def __call__(self, x, rope, step, kv, fmt, page_size, backend="xla"):
+    def __call__(self, x, rope, step, kv, fmt, page_size, backend=XLA):
         a, kv = self.attn(self.input_norm(x), rope, step, kv, fmt, page_size, backend)
         x = x + a
         return x + self.mlp(self.post_attn_norm(x)), kv
@@ -79,11 +80,11 @@ class CausalLM(nnx.Module):
         )
 
     def __call__(
-        self, step: StepInput, kv: tuple, fmt: KVFormat, page_size: int, all_logits: bool = False, backend: str = "xla"
+        self, step: StepInput, kv: tuple, fmt: KVFormat, page_size: int, all_logits: bool = False, backend=XLA
     ):
         """-> (logits f32 [B, T, V] if all_logits else [B, V] at each row's last new token, kv).
 
-        backend: attention implementation for decode steps ("xla" | "pallas" | "pallas_interpret").
+        backend: the attention backend (``attention_backends.get_backend``; default pure jnp).
         """
         x = embedding(step.tokens, self.embed).astype(self.dtype)
         inv_freq, scale = rope_inv_freq(self.cfg.rope, self.rope_dim)

@@ -15,8 +15,7 @@ from flax import nnx
 from jaxserve.config import ConfigError, ModelConfig, parse_common, require
 from jaxserve.kv import paged
 from jaxserve.kv.formats import KVFormat
-from jaxserve.models.attention import mla_attention_paged
-from jaxserve.models.attention_pallas import backend_mesh, mla_attention_pallas
+from jaxserve.models.attention_backends import XLA
 from jaxserve.models.base import CausalLM, DecoderLayer, WeightSpec, keep, block_weights, skip_mtp_layers, t
 from jaxserve.models.layers import RMSNorm, apply_rope, param
 from jaxserve.quant.linear import head_columns, linear
@@ -38,7 +37,7 @@ class MLAttention(nnx.Module):
         self.kv_b = param(rngs, (r, h, cfg.qk_nope_head_dim + cfg.v_head_dim), (None, "heads", None), dtype)
         self.o = param(rngs, (h, cfg.v_head_dim, d), ("heads", None, "embed"), dtype)
 
-    def __call__(self, x, rope, step, kv, fmt: KVFormat, page_size: int, backend: str = "xla"):
+    def __call__(self, x, rope, step, kv, fmt: KVFormat, page_size: int, backend=XLA):
         cfg = self.cfg
         cos, sin = rope
         nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
@@ -51,7 +50,7 @@ class MLAttention(nnx.Module):
         lat = self.kv_a_norm(ckv[..., :r])
         k_rope = apply_rope(ckv[..., r:], cos, sin, cfg.rope_interleave)
 
-        # Write this step's tokens into their pages, then read the cached context back.
+        # Write this step's tokens into their pages, then attend to the pages (its own tokens too).
         num_pages = kv["latent"].shape[0]
         page, off = paged.token_slots(step.page_table, step.positions, step.valid, page_size, num_pages)
         kv = paged.store(fmt, kv, "latent", lat, page, off)
@@ -61,16 +60,8 @@ class MLAttention(nnx.Module):
             self.kv_b, per_head,
             lambda w, h0, h1: jnp.einsum("bthn,rhn->bthr", q_nope[:, :, h0:h1], w[..., :nope]),
         ).astype(x.dtype)
-        if backend != "xla":  # the cached context in the Pallas kernel (prefill and decode)
-            out_lat = mla_attention_pallas(
-                q_lat, q_rope, kv, fmt, lat, k_rope, step, cfg.softmax_scale, backend == "pallas_interpret",
-                mesh=backend_mesh(backend),
-            )
-        else:
-            out_lat = mla_attention_paged(
-                q_lat, q_rope, kv, fmt, step.page_table, step.cached_lens, lat, k_rope, step.causal_mask(),
-                cfg.softmax_scale, page_size,
-            )
+        stored = paged.as_stored(fmt, lat, q_lat.dtype), paged.as_stored(fmt, k_rope, q_lat.dtype)
+        out_lat = backend.mla(q_lat, q_rope, kv, fmt, *stored, step, cfg.softmax_scale, page_size)
         out = head_columns(  # absorb W_uv
             self.kv_b, per_head,
             lambda w, h0, h1: jnp.einsum("bthr,rhv->bthv", out_lat[:, :, h0:h1], w[..., nope:]),

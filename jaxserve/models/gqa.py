@@ -13,8 +13,7 @@ from flax import nnx
 from jaxserve.config import ModelConfig
 from jaxserve.kv import paged
 from jaxserve.kv.formats import KVFormat
-from jaxserve.models.attention import gqa_attention_paged
-from jaxserve.models.attention_pallas import backend_mesh, gqa_attention_pallas
+from jaxserve.models.attention_backends import XLA
 from jaxserve.models.base import WeightSpec, keep
 from jaxserve.models.layers import RMSNorm, apply_rope, param
 from jaxserve.quant.linear import linear
@@ -43,7 +42,7 @@ class GQAttention(nnx.Module):
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, rngs)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, rngs)
 
-    def __call__(self, x, rope, step, kv, fmt: KVFormat, page_size: int, backend: str = "xla"):
+    def __call__(self, x, rope, step, kv, fmt: KVFormat, page_size: int, backend=XLA):
         cfg = self.cfg
         q, k, v = linear(x, self.q), linear(x, self.k), linear(x, self.v)  # [B, T, heads, hd]
         if cfg.attention_bias:
@@ -59,13 +58,8 @@ class GQAttention(nnx.Module):
         page, off = paged.token_slots(step.page_table, step.positions, step.valid, page_size, num_pages)
         kv = paged.store(fmt, kv, "k", k, page, off, headed=True)
         kv = paged.store(fmt, kv, "v", v, page, off, headed=True)
-        if backend != "xla":  # the cached context in the Pallas kernel (prefill and decode)
-            out = gqa_attention_pallas(q, kv, fmt, k, v, step, cfg.softmax_scale, backend == "pallas_interpret",
-                                       mesh=backend_mesh(backend))
-        else:
-            out = gqa_attention_paged(
-                q, kv, fmt, step.page_table, step.cached_lens, k, v, step.causal_mask(), cfg.softmax_scale, page_size
-            )
+        stored = paged.as_stored(fmt, k, q.dtype), paged.as_stored(fmt, v, q.dtype)
+        out = backend.gqa(q, kv, fmt, *stored, step, cfg.softmax_scale, page_size)
         y = linear(out, self.o, contract=2)
         return (y + self.o_bias[...] if self.o_bias is not None else y), kv
 

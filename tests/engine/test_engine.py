@@ -148,6 +148,29 @@ def test_bad_requests_are_refused_and_lose_nothing(llm):
         SamplingParams(max_tokens=0)
 
 
+# Finite / positive as float64 but not as the float32 the sampler uses (or out of the range
+# where logits divided or multiplied by them stay finite): refused, naming field and limit.
+FLOAT32_CASES = [
+    (dict(temperature=1e300), r"temperature must be 0 \(greedy\) or in \[1e-06, 3.403e\+38\]"),
+    (dict(temperature=1e-7), r"temperature .*\[1e-06,"),
+    (dict(repetition_penalty=1e-300), r"repetition_penalty must be in \[1e-06, 1e\+06\]"),
+    (dict(repetition_penalty=1e7), r"repetition_penalty must be in \[1e-06, 1e\+06\]"),
+    (dict(top_p=1e-50), r"top_p must be in \(0, 1\] in float32 .*1e-50, which is 0.0 as a float32"),
+]
+
+
+@pytest.mark.parametrize("kw, message", FLOAT32_CASES)
+def test_float_parameters_are_checked_as_the_float32_they_become(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kw)
+
+
+def test_float_parameters_at_their_limits_are_accepted():
+    for kw in (dict(temperature=1e-6), dict(temperature=3.4e38), dict(repetition_penalty=1e-6),
+               dict(repetition_penalty=1e6), dict(top_p=1e-30), dict(min_p=1.0), dict(frequency_penalty=-2.0)):
+        SamplingParams(**kw)
+
+
 def test_prefill_token_buckets():
     assert token_buckets(16, 128) == [16, 32, 48, 64, 96, 128]
     assert token_buckets(16, 100) == [16, 32, 48, 64, 96, 128]  # covers a chunk that is not a power of two

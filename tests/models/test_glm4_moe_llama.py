@@ -38,7 +38,9 @@ def test_logprobs_and_greedy_match_transformers(case):
     assert ours == theirs[0, len(PROMPT):].tolist()
 
 
-@pytest.mark.parametrize("kv_format,bound", [("float32", 2e-5), ("bf16", 3e-2), ("fp8_e4m3", 0.35)])
+# Prefill and decode both attend to K/V as the pages store them: equal to float32 rounding, or
+# by about one bf16 / fp8 step where that rounding flips a stored value (bf16: 2.5e-4 seen).
+@pytest.mark.parametrize("kv_format,bound", [("float32", 2e-5), ("bf16", 1e-3), ("fp8_e4m3", 2e-2)])
 def test_paged_decode_equals_full_forward(case, kv_format, bound):
     name, path, _ = case
     llm = LLM(str(path), kv_format=kv_format, num_pages=32, page_size=8)
@@ -57,8 +59,10 @@ def test_paged_decode_equals_full_forward(case, kv_format, bound):
 @pytest.mark.parametrize("kv_heads", [8, 2], ids=["kv-split-by-head", "kv-replicated"])
 def test_glm_eight_devices_equal_one(tmp_path, kv_heads):
     build_glm4_moe(tmp_path, num_hidden_layers=2, num_key_value_heads=kv_heads)
-    one = LLM(str(tmp_path), num_pages=16, page_size=8)
-    eight = LLM(str(tmp_path), num_pages=16, page_size=8, num_devices=8)
+    # float32 KV: with a rounded format a one-ulp sharding difference can flip one stored value's
+    # rounding (bf16 on a mesh is compared with that in mind in tests/engine/test_attention_sharded.py).
+    one = LLM(str(tmp_path), kv_format="float32", num_pages=16, page_size=8)
+    eight = LLM(str(tmp_path), kv_format="float32", num_pages=16, page_size=8, num_devices=8)
     pool = eight.runner.kv[0]["k"]
     assert pool.sharding.is_fully_replicated == (kv_heads == 2)
     assert np.abs(one.logprobs(PROMPT) - eight.logprobs(PROMPT)).max() < 1e-5

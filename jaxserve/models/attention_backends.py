@@ -1,0 +1,69 @@
+"""The attention backends, by name: how a layer attends over the paged KV cache.
+
+Every layer writes its step's new K/V into their pages first, then asks its backend for the
+attention of the step's queries over the row's cached context and the step's own tokens, both
+as the cache stores them (rounded / quantized by the KV format), so a request's numbers do not
+depend on the schedule. A backend is an object with one method per attention layout:
+
+- ``mla(q_lat, q_rope, kv, fmt, new_lat, new_rope, step, scale, page_size)``: absorbed MLA;
+- ``gqa(q, kv, fmt, new_k, new_v, step, scale, page_size)``: grouped-query attention.
+
+``new_*`` are the step's K/V as stored (``paged.as_stored``); a backend may read them from the
+pages instead. Backends:
+
+- ``xla``: pure jnp (``attention.*_paged``), one online softmax over pages in fixed position
+  blocks (bitwise the same for a request whatever the schedule);
+- ``pallas``: the Pallas paged kernels (GPU, Triton) for the cached context, merged by
+  log-sum-exp with the step's own tokens; per device under a mesh (shard_map over heads);
+- ``pallas_interpret``: the same kernels interpreted on CPU (tests).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.models import attention, attention_pallas
+
+
+class XlaAttention:
+    name = "xla"
+
+    def mla(self, q_lat, q_rope, kv, fmt, new_lat, new_rope, step, scale: float, page_size: int):
+        return attention.mla_attention_paged(q_lat, q_rope, kv, fmt, step.page_table, step.cached_lens,
+                                             step.new_lens, scale, page_size)
+
+    def gqa(self, q, kv, fmt, new_k, new_v, step, scale: float, page_size: int):
+        return attention.gqa_attention_paged(q, kv, fmt, step.page_table, step.cached_lens, step.new_lens,
+                                             scale, page_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasAttention:
+    interpret: bool = False
+    mesh: object = None  # the device mesh the kernels run over (None: one device)
+
+    @property
+    def name(self) -> str:
+        return "pallas_interpret" if self.interpret else "pallas"
+
+    def mla(self, q_lat, q_rope, kv, fmt, new_lat, new_rope, step, scale: float, page_size: int):
+        return attention_pallas.mla_attention_pallas(q_lat, q_rope, kv, fmt, new_lat, new_rope, step, scale,
+                                                     self.interpret, self.mesh)
+
+    def gqa(self, q, kv, fmt, new_k, new_v, step, scale: float, page_size: int):
+        return attention_pallas.gqa_attention_pallas(q, kv, fmt, new_k, new_v, step, scale, self.interpret,
+                                                     self.mesh)
+
+
+XLA = XlaAttention()
+BACKENDS = {
+    "xla": lambda mesh: XLA,
+    "pallas": lambda mesh: PallasAttention(False, mesh),
+    "pallas_interpret": lambda mesh: PallasAttention(True, mesh),
+}
+
+
+def get_backend(name: str, mesh=None):
+    """The backend called ``name`` for a model on ``mesh`` (None: one device)."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {tuple(BACKENDS)}, got {name!r}")
+    return BACKENDS[name](mesh)
