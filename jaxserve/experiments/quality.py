@@ -35,6 +35,9 @@ number of tokens before the first difference, with bootstrap intervals over prom
 averaged within a prompt). The reference against itself with other seeds gives the floor
 (what two unrelated samples share); the reference drawn a second time with the same seeds
 is its own ``sampling`` entry (reproducibility: every completion identical).
+
+This module runs the experiment; the scorer and the per-token comparison are in
+``quality_scoring.py``, the per-document statistics and the tables in ``quality_report.py``.
 """
 from __future__ import annotations
 
