@@ -126,6 +126,23 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = N
     index = tensor_index(path)
     read = _Reader(index)
     plans = {t: prequantized.plan_tensors(scheme, s, index.__contains__, read.dtype_code) for t, s in specs.items()}
+    _check_tensors(path, cfg, arch, scheme, index, plans)
+
+    loaded = []
+    for p, var in nnx.to_flat_state(state):
+        key = "/".join(str(k) for k in p)
+        spec = specs[key]
+        if plans[key].kind != "plain":
+            loaded.append((p, var.replace(_load_quantized(cfg, plans[key], scheme, read, key, var, mesh))))
+            continue
+        loaded.append((p, var.replace(_load_plain(cfg, spec, read, key, var, mesh))))
+    model = nnx.merge(graphdef, nnx.from_flat_state(loaded))
+    return cfg, model
+
+
+def _check_tensors(path, cfg, arch, scheme, index, plans: dict) -> None:
+    """Every tensor the plans read is in the checkpoint, every checkpoint tensor is read (or one
+    the architecture skips), and a quantization_config is backed by quantized tensors."""
     needed = {n for p in plans.values() for n in p.names}
     missing = needed - set(index)
     if missing:
@@ -139,29 +156,22 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = N
         raise ConfigError(f"{path}: quantization_config says {scheme.method} ({scheme.weight_format}), "
                           "but no tensor in the checkpoint is stored quantized")
 
-    loaded = []
-    for p, var in nnx.to_flat_state(state):
-        key = "/".join(str(k) for k in p)
-        spec = specs[key]
-        want = var.get_value()
-        if plans[key].kind != "plain":
-            loaded.append((p, var.replace(_load_quantized(cfg, plans[key], scheme, read, key, var, mesh))))
-            continue
-        arr = spec.build(*(read(n) for n in spec.sources))
-        axes = var.get_metadata()["logical_axes"]
-        if tuple(arr.shape) != tuple(unpadded_shape(cfg, want.shape, axes)):
-            raise CheckpointError(
-                f"{_list_shown(spec.sources, 2)} gives shape {tuple(arr.shape)} for {key}, "
-                f"expected {tuple(unpadded_shape(cfg, want.shape, axes))}"
-            )
-        arr = pad_vocab(np.asarray(arr).astype(want.dtype), axes, want.shape, key)
-        if mesh is not None:
-            value = jax.device_put(arr, named(mesh, axes, arr.shape, key))
-        else:
-            value = jnp.asarray(arr)
-        loaded.append((p, var.replace(value)))
-    model = nnx.merge(graphdef, nnx.from_flat_state(loaded))
-    return cfg, model
+
+def _load_plain(cfg, spec, read, key: str, var, mesh):
+    """An unquantized parameter built from its checkpoint tensors, in the model's dtype, its
+    vocabulary padded for the mesh, placed."""
+    want = var.get_value()
+    arr = spec.build(*(read(n) for n in spec.sources))
+    axes = var.get_metadata()["logical_axes"]
+    if tuple(arr.shape) != tuple(unpadded_shape(cfg, want.shape, axes)):
+        raise CheckpointError(
+            f"{_list_shown(spec.sources, 2)} gives shape {tuple(arr.shape)} for {key}, "
+            f"expected {tuple(unpadded_shape(cfg, want.shape, axes))}"
+        )
+    arr = pad_vocab(np.asarray(arr).astype(want.dtype), axes, want.shape, key)
+    if mesh is not None:
+        return jax.device_put(arr, named(mesh, axes, arr.shape, key))
+    return jnp.asarray(arr)
 
 
 def _load_quantized(cfg, plan, scheme, read, key: str, var, mesh) -> PhaseWeight:

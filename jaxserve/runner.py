@@ -4,9 +4,9 @@ the jitted programs.
 Two serving programs, ``prefill`` and ``decode``, each jitted separately, once per padding
 bucket (batch rows x new tokens; the page-table width is fixed to the longest sequence, and
 attention reads pages only up to the batch's longest context, so a wide table costs nothing
-until it is used), with the KV pools donated so they are updated in place. Each program first runs the page
-tracker's batched check on every row's page table; a failing row is redirected to the null
-page and writes nothing, and the caller aborts its request.
+until it is used), with the KV pools donated so they are updated in place. Each program first
+runs the page tracker's batched check on every row's page table; a failing row is redirected
+to the null page and writes nothing, and the caller aborts its request.
 
 Parameters are passed as the flat leaves of the NNX state (cheaper to dispatch than an
 ``nnx.State``). After ``warmup()`` any new compilation of a serving program is counted, and
@@ -265,12 +265,7 @@ class ModelRunner:
         Returns logits [B, T, V] if all_logits else [B, V]. Not a serving path: the caller
         owns the pages it names.
         """
-        inp = StepInput(
-            tokens=jnp.asarray(tokens, jnp.int32),
-            cached_lens=jnp.asarray(cached_lens, jnp.int32),
-            new_lens=jnp.asarray(new_lens, jnp.int32),
-            page_table=jnp.asarray(page_table, jnp.int32),
-        )
+        inp = StepInput(*(jnp.asarray(x, jnp.int32) for x in (tokens, cached_lens, new_lens, page_table)))
         fn = self._unchecked() if all_logits else self._model_only()
         logits, self.kv = fn(self.params, self.kv, inp)
         return logits

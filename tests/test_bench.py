@@ -102,6 +102,8 @@ def test_workload_is_fixed_by_its_seed():
 def test_percentiles_and_page_fitting():
     assert percentile([], 50) is None and summary([])["p95"] is None
     assert percentile([3, 1, 2], 50) == 2 and percentile([1, 2], 95) == pytest.approx(1.95)
+    # linear interpolation between order statistics, worked by hand: position 0.25 * 3 = 0.75
+    assert percentile([40, 10, 30, 20], 25) == pytest.approx(17.5) and percentile([5.0], 99) == 5.0
     assert fitted_max_model_len(52, 8) == 64 and fitted_max_model_len(64, 8) == 64 and fitted_max_model_len(65, 8) == 128
 
 

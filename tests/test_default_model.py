@@ -1,6 +1,5 @@
 """The embedded default model (real SmolLM2-135M-Instruct weights) through jaxserve:
 greedy output against transformers on the same dequantized weights, text in and out, the CLI."""
-import numpy as np
 import pytest
 import torch
 

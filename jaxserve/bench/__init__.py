@@ -1,3 +1,3 @@
-"""Benchmarks as code: ``jaxserve bench`` (offline serving, ``offline.py``), the fixed-seed
-workloads it serves (``workload.py``) and the measuring helpers the scripts in ``bench/``
-share (``measure.py``)."""
+"""Benchmarks as code: ``jaxserve bench`` (offline serving: ``offline.py`` the command line,
+``serving.py`` the measured run), the fixed-seed workloads it serves (``workload.py``) and the
+measuring helpers the scripts in ``bench/`` share (``measure.py``)."""

@@ -135,54 +135,16 @@ def newest_dump(dump_dir: str, pattern: str) -> str | None:
 
 # ---------------------------------------------------------------------- measuring
 def profile_batch(args, batch: int, dump_dir: str) -> dict:
-    import jax
-
-    from jaxserve import LLM
     from jaxserve.bench.measure import median
-    from jaxserve.bench.offline import fitted_max_model_len
     from jaxserve.bench.workload import make_workload
     from jaxserve.engine.sampling_params import SamplingParams
 
     total = args.context + 2 * args.steps + 8
-    max_len = fitted_max_model_len(total, args.page_size) if args.max_model_len is None else (args.max_model_len or None)
-    llm = LLM(args.model, dtype=args.dtype, kv_format=args.kv_format, page_size=args.page_size,
-              num_pages=args.num_pages or batch * -(-total // args.page_size) + 2, max_num_seqs=batch, max_prefill_seqs=min(batch, 8),
-              prefill_chunk=128, max_num_batched_tokens=1024, max_model_len=max_len,
-              enable_prefix_caching=False, integrity_check=not args.no_integrity_check,
-              decode_weights=args.decode_weights)
+    llm = _make_llm(args, batch, total)
     engine = llm.engine
     work = make_workload(batch, (args.context, args.context), (1, 1), llm.cfg.vocab_size, seed=batch)
     sp = SamplingParams(max_tokens=total - args.context, ignore_eos=True)
-    program = []  # decode program seconds (a step observer: the call returns once the program ran)
-
-    def seen(rec):
-        if rec.phase == "decode":
-            program.append(rec.seconds)
-
-    remove = engine.add_step_observer(seen)
-    rids = [engine.add_request(r.prompt_ids, sp) for r in work]
-    try:
-        started = set()
-        while len(started) < len(rids):  # prefill (and the first decode steps, which compile)
-            started.update(o.request_id for o in engine.step() if o.new_token_ids)
-        for _ in range(2):
-            engine.step()
-        program.clear()
-        steps = []
-        for _ in range(args.steps):
-            t = time.perf_counter()
-            engine.step()
-            steps.append(time.perf_counter() - t)
-        trace_dir = tempfile.mkdtemp(prefix="jaxserve_trace_")
-        jax.profiler.start_trace(trace_dir)
-        for _ in range(3):
-            engine.step()
-        jax.profiler.stop_trace()
-    finally:
-        remove()
-        for rid in rids:
-            engine.abort(rid)
-        engine.run_until_done()
+    steps, program, trace_dir = _time_decode(engine, [r.prompt_ids for r in work], sp, args.steps)
     step_s, prog_s = median(steps), median(program)
     ops = load_trace_ops(trace_dir)
     hlo_file = newest_dump(dump_dir, "*jit_step*after_optimizations.txt")
@@ -203,6 +165,58 @@ def profile_batch(args, batch: int, dump_dir: str) -> dict:
         trace_dir=trace_dir, hlo_dump=hlo_file,
         kv_gathered_mb_per_step=_gathered_mb(llm, batch, args.context + args.steps + 5),
     )
+
+
+def _make_llm(args, batch: int, total: int):
+    """An LLM whose pool holds batch requests of total tokens (unless --num-pages says otherwise)."""
+    from jaxserve import LLM
+    from jaxserve.bench.offline import fitted_max_model_len
+
+    max_len = fitted_max_model_len(total, args.page_size) if args.max_model_len is None else (args.max_model_len or None)
+    return LLM(args.model, dtype=args.dtype, kv_format=args.kv_format, page_size=args.page_size,
+               num_pages=args.num_pages or batch * -(-total // args.page_size) + 2, max_num_seqs=batch,
+               max_prefill_seqs=min(batch, 8), prefill_chunk=128, max_num_batched_tokens=1024, max_model_len=max_len,
+               enable_prefix_caching=False, integrity_check=not args.no_integrity_check,
+               decode_weights=args.decode_weights)
+
+
+def _time_decode(engine, prompts, sp, n_steps: int) -> tuple[list[float], list[float], str]:
+    """Bring every prompt to steady decoding, then time n_steps engine steps and the decode
+    program inside each; three more steps run under the JAX profiler. Returns (engine-step
+    seconds, decode-program seconds, trace directory); the requests are aborted afterwards."""
+    import jax
+
+    program = []  # decode program seconds (a step observer: the call returns once the program ran)
+
+    def seen(rec):
+        if rec.phase == "decode":
+            program.append(rec.seconds)
+
+    remove = engine.add_step_observer(seen)
+    rids = [engine.add_request(p, sp) for p in prompts]
+    try:
+        started = set()
+        while len(started) < len(rids):  # prefill (and the first decode steps, which compile)
+            started.update(o.request_id for o in engine.step() if o.new_token_ids)
+        for _ in range(2):
+            engine.step()
+        program.clear()
+        steps = []
+        for _ in range(n_steps):
+            t = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - t)
+        trace_dir = tempfile.mkdtemp(prefix="jaxserve_trace_")
+        jax.profiler.start_trace(trace_dir)
+        for _ in range(3):
+            engine.step()
+        jax.profiler.stop_trace()
+    finally:
+        remove()
+        for rid in rids:
+            engine.abort(rid)
+        engine.run_until_done()
+    return steps, program, trace_dir
 
 
 def _gathered_mb(llm, batch: int, context: int) -> float:

@@ -65,15 +65,11 @@ def convert(src, dst, prefill_weights: str | None = None, decode_weights: str | 
             progress: bool = True) -> dict:
     """Convert SRC into a jaxserve checkpoint at DST; returns the sizes (see size_report)."""
     import jax.numpy as jnp
-    from flax import nnx
-    from tqdm import tqdm
 
     from jaxserve.checkpoint import orbax_io
     from jaxserve.engine.llm_engine import EngineConfig
     from jaxserve.kv.formats import get_kv_format
     from jaxserve.loader import _raw_config, load_model
-    from jaxserve.quant.formats import get_weight_format
-    from jaxserve.quant.phase import PhaseSet, phase_value
 
     src, dst = Path(src), Path(dst)
     if not (src / "config.json").is_file():
@@ -92,32 +88,7 @@ def convert(src, dst, prefill_weights: str | None = None, decode_weights: str | 
         kv = orbax_io.read_metadata(src).get("kv_format")
 
     _, model = load_model(src, {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype])
-    _, state = nnx.split(model)
-    flat = list(nnx.to_flat_state(state))
-    fmts = {ph: get_weight_format(lab) if lab is not None else None for ph, lab in labels.items()}
-    values, shapes = {}, {}
-    by_format: dict = {}
-    for p, var in tqdm(flat, desc="convert", unit="param", disable=not progress):
-        path = "/".join(str(k) for k in p)
-        v = var.get_value()
-        axes = var.get_metadata().get("logical_axes")
-        per = {}
-        for ph in ("prefill", "decode"):
-            src_v = v
-            if isinstance(v, PhaseSet):  # a jaxserve source: its member for this label, else its best one
-                src_v = v.pick(labels[ph]) if labels[ph] in v.labels else max(v.members, key=_nbytes)
-            if ph == "decode" and labels["decode"] == labels["prefill"]:
-                per[ph] = per["prefill"]  # same format: same value, stored once
-            else:
-                per[ph] = phase_value(path, src_v, axes, fmts[ph], None)  # a tied table stays as loaded
-        entry = {"shared": per["prefill"]} if per["prefill"] is per["decode"] else per
-        values[path] = entry
-        shapes[path] = tuple(per["prefill"].shape)
-        for section, val in entry.items():
-            leaf, fmt = orbax_io.stored_leaf(val)
-            rep = fmt or f"unquantized {jnp.dtype(_leaf_dtype(leaf)).name}"
-            by_format.setdefault(section, {}).setdefault(rep, 0)
-            by_format[section][rep] += _nbytes(leaf)
+    values, shapes, by_format = _stored_values(model, labels, progress)
     section_bytes = {s: sum(by_format.get(s, {}).values()) for s in ("shared", "prefill", "decode")}
     sizes = {
         "by_format": by_format,
@@ -141,6 +112,44 @@ def convert(src, dst, prefill_weights: str | None = None, decode_weights: str | 
     }
     orbax_io.save(dst, values, shapes, meta)
     return sizes
+
+
+def _stored_values(model, labels: dict, progress: bool) -> tuple[dict, dict, dict]:
+    """Each parameter in each phase's format -> (values {path: {"shared"} or {"prefill", "decode"}},
+    shapes {path: shape}, stored bytes {section: {representation: bytes}})."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from tqdm import tqdm
+
+    from jaxserve.checkpoint import orbax_io
+    from jaxserve.quant.formats import get_weight_format
+    from jaxserve.quant.phase import PhaseSet, phase_value
+
+    _, state = nnx.split(model)
+    fmts = {ph: get_weight_format(lab) if lab is not None else None for ph, lab in labels.items()}
+    values, shapes, by_format = {}, {}, {}
+    for p, var in tqdm(list(nnx.to_flat_state(state)), desc="convert", unit="param", disable=not progress):
+        path = "/".join(str(k) for k in p)
+        v = var.get_value()
+        axes = var.get_metadata().get("logical_axes")
+        per = {}
+        for ph in ("prefill", "decode"):
+            src_v = v
+            if isinstance(v, PhaseSet):  # a jaxserve source: its member for this label, else its best one
+                src_v = v.pick(labels[ph]) if labels[ph] in v.labels else max(v.members, key=_nbytes)
+            if ph == "decode" and labels["decode"] == labels["prefill"]:
+                per[ph] = per["prefill"]  # same format: same value, stored once
+            else:
+                per[ph] = phase_value(path, src_v, axes, fmts[ph], None)  # a tied table stays as loaded
+        entry = {"shared": per["prefill"]} if per["prefill"] is per["decode"] else per
+        values[path] = entry
+        shapes[path] = tuple(per["prefill"].shape)
+        for section, val in entry.items():
+            leaf, fmt = orbax_io.stored_leaf(val)
+            rep = fmt or f"unquantized {jnp.dtype(_leaf_dtype(leaf)).name}"
+            by_format.setdefault(section, {}).setdefault(rep, 0)
+            by_format[section][rep] += _nbytes(leaf)
+    return values, shapes, by_format
 
 
 def _leaf_dtype(leaf):

@@ -166,17 +166,14 @@ def load_model(path, dtype=None, mesh=None):
     fields by ``quant.phase.qw_shardings``). Unquantized arrays are cast to the model `dtype` if the
     checkpoint stored another (quantized ones never change).
     """
-    import jax
     import jax.numpy as jnp
-    import numpy as np
     import orbax.checkpoint as ocp
     from flax import nnx
 
     from jaxserve.checkpoint.prequantized import CheckpointError
     from jaxserve.models import config_from_dict, get_architecture
-    from jaxserve.quant.phase import PhaseSet, matrix_view, phase_weight, qw_shardings
-    from jaxserve.quant.qweight import QuantizedWeight
-    from jaxserve.sharding import config_for_mesh, named, pad_vocab, unpadded_shape
+    from jaxserve.quant.phase import PhaseSet
+    from jaxserve.sharding import config_for_mesh
 
     dtype = dtype or jnp.float32
     meta = read_metadata(path)
@@ -190,8 +187,34 @@ def load_model(path, dtype=None, mesh=None):
     if keys != set(params):
         raise CheckpointError(f"{path}: stored parameters do not match the {cfg.architecture} model: "
                               f"missing {sorted(keys - set(params))[:8]}, unexpected {sorted(set(params) - keys)[:8]}")
-    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = _restore_target(path, cfg, flat, params, mesh)
+    with ocp.StandardCheckpointer() as ck:
+        restored = ck.restore(Path(path).absolute() / STATE_DIR, target)
+    labels = (meta["prefill_weights"], meta["decode_weights"])
+    loaded = []
+    for p, var in flat:
+        key = "/".join(str(k) for k in p)
+        entry = params[key]
+        if entry["shared"]:
+            v = _restored_value(restored, "shared", key, entry["prefill"], var, mesh)
+        else:
+            v = PhaseSet(labels, tuple(_restored_value(restored, ph, key, entry[ph], var, mesh)
+                                       for ph in ("prefill", "decode")))
+        loaded.append((p, var.replace(v)))
+    return cfg, nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
+
+def _restore_target(path, cfg, flat, params: dict, mesh) -> dict:
+    """{section: nested {key: ShapeDtypeStruct leaves}}: what orbax restores, each leaf in its
+    sharding (one device for a vocabulary that is padded after restoring)."""
+    import jax
+
+    from jaxserve.checkpoint.prequantized import CheckpointError
+    from jaxserve.quant.phase import matrix_view, qw_shardings
+    from jaxserve.quant.qweight import QuantizedWeight
+    from jaxserve.sharding import named, unpadded_shape
+
+    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target: dict = {}
     for p, var in flat:
         key = "/".join(str(k) for k in p)
@@ -220,34 +243,31 @@ def load_model(path, dtype=None, mesh=None):
                 else:
                     leaf = {f: _target(desc[f], single) for f in desc}
             _put(target.setdefault(section, {}), key, leaf)
-    with ocp.StandardCheckpointer() as ck:
-        restored = ck.restore(Path(path).absolute() / STATE_DIR, target)
+    return target
 
-    def value(section, key, fmt, var):
-        leaf = _get(restored[section], key)
-        shape = tuple(var.get_value().shape)
-        axes = var.get_metadata().get("logical_axes") or (None,) * len(shape)
-        if fmt is None:
-            want = var.get_value().dtype
-            leaf = leaf if leaf.dtype == want else leaf.astype(want)
-            if tuple(leaf.shape) == shape:
-                return leaf
-            padded = pad_vocab(np.asarray(jax.device_get(leaf)), axes, shape, key)
-            return jax.device_put(padded, named(mesh, axes, shape, key))
-        qw = QuantizedWeight(leaf["values"], leaf.get("scales"), fmt, matrix_view(key, shape, axes)[0])
-        return phase_weight(key, qw, shape)
 
-    labels = (meta["prefill_weights"], meta["decode_weights"])
-    loaded = []
-    for p, var in flat:
-        key = "/".join(str(k) for k in p)
-        entry = params[key]
-        if entry["shared"]:
-            v = value("shared", key, entry["prefill"], var)
-        else:
-            v = PhaseSet(labels, tuple(value(ph, key, entry[ph], var) for ph in ("prefill", "decode")))
-        loaded.append((p, var.replace(v)))
-    return cfg, nnx.merge(graphdef, nnx.from_flat_state(loaded))
+def _restored_value(restored: dict, section: str, key: str, fmt, var, mesh):
+    """One restored parameter as the model holds it: a plain array in the variable's dtype
+    (its vocabulary padded for the mesh if needed), or a quantized phase weight."""
+    import jax
+    import numpy as np
+
+    from jaxserve.quant.phase import matrix_view, phase_weight
+    from jaxserve.quant.qweight import QuantizedWeight
+    from jaxserve.sharding import named, pad_vocab
+
+    leaf = _get(restored[section], key)
+    shape = tuple(var.get_value().shape)
+    axes = var.get_metadata().get("logical_axes") or (None,) * len(shape)
+    if fmt is None:
+        want = var.get_value().dtype
+        leaf = leaf if leaf.dtype == want else leaf.astype(want)
+        if tuple(leaf.shape) == shape:
+            return leaf
+        padded = pad_vocab(np.asarray(jax.device_get(leaf)), axes, shape, key)
+        return jax.device_put(padded, named(mesh, axes, shape, key))
+    qw = QuantizedWeight(leaf["values"], leaf.get("scales"), fmt, matrix_view(key, shape, axes)[0])
+    return phase_weight(key, qw, shape)
 
 
 def describe(path) -> str:

@@ -17,7 +17,8 @@ Pages
 Prefix cache
     Full pages only, keyed by a hash chain ``h_i = hash_page(h_{i-1}, tokens_of_page_i)``
     (blake2b, stable across processes). A hit is VERIFIED against the page's stored
-    tokens and parent hash, so a hash collision can never share a page. Pages are
+    tokens and parent hash, so a hash collision can never share a page (the hashing and
+    the verified match live in ``prefix_cache.py``; this module owns the pages). Pages are
     registered by ``commit_full_pages`` only after their KV has been written.
 
 Generations (the integrity design; docs/ARCHITECTURE.md, step 4)
@@ -31,12 +32,14 @@ Generations (the integrity design; docs/ARCHITECTURE.md, step 4)
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 import numpy as np
+
+from jaxserve.engine import prefix_cache
+from jaxserve.engine.prefix_cache import CachedPage, hash_page, match_prefix, page_tokens
 
 NULL_PAGE = 0
 
@@ -73,27 +76,6 @@ class GenerationUpdates(NamedTuple):
     counts: np.ndarray
 
 
-def hash_page(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Stable 128-bit chain hash of one full page given its parent's hash.
-
-    Python's ``hash()`` is salted per process; this one is not, so hashes are comparable
-    across restarts and processes (e.g. a prefill and a decode worker).
-    """
-    h = hashlib.blake2b(digest_size=16)
-    h.update(b"root" if parent_hash is None else parent_hash.to_bytes(16, "little"))
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return int.from_bytes(h.digest(), "little")
-
-
-@dataclasses.dataclass
-class _CachedPage:
-    """What a cached full page holds; used to verify a hash hit."""
-
-    page_hash: int
-    parent_hash: int | None
-    token_ids: tuple[int, ...]
-
-
 @dataclasses.dataclass
 class _SeqPages:
     pages: list[int]
@@ -121,7 +103,7 @@ class BlockManager:
         self.generation = np.zeros(num_pages, dtype=np.int32)  # [num_pages]; device mirror
         self._free: deque[int] = deque(range(1, num_pages))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest release first
-        self._cached: dict[int, _CachedPage] = {}  # page -> contents, for cached pages
+        self._cached: dict[int, CachedPage] = {}  # page -> contents, for cached pages
         self._hash_to_page: dict[int, int] = {}
         self._seqs: dict[Hashable, _SeqPages] = {}
         self._pending: dict[int, int] = {}  # page -> bumps not yet taken by the runner
@@ -209,15 +191,15 @@ class BlockManager:
         num_full = min(len(token_ids) // self.page_size, len(seq.pages))
         for i in range(len(seq.block_hashes), num_full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            block = tuple(int(t) for t in token_ids[i * self.page_size:(i + 1) * self.page_size])
-            h = hash_page(parent, block)
+            block = page_tokens(token_ids, i, self.page_size)
+            h = prefix_cache.hash_page(parent, block)  # looked up at call time, as match_prefix does
             seq.block_hashes.append(h)
             page = seq.pages[i]
             # First writer wins: a duplicate (or a colliding hash) leaves this page
             # uncached, so it goes back to the free list when released.
             if h not in self._hash_to_page and page not in self._cached:
                 self._hash_to_page[h] = page
-                self._cached[page] = _CachedPage(h, parent, block)
+                self._cached[page] = CachedPage(h, parent, block)
 
     def free(self, seq_id: Hashable) -> None:
         """Release a sequence's pages (finish, abort or preemption)."""
@@ -278,26 +260,7 @@ class BlockManager:
         """Longest verified run of cached leading full pages, and their chain hashes."""
         if not self.enable_prefix_caching:
             return [], []
-        # At least the last token must be computed (its logits start decoding), so only
-        # pages lying entirely within the first len-1 tokens may be hits.
-        max_hits = (len(token_ids) - 1) // self.page_size
-        pages: list[int] = []
-        hashes: list[int] = []
-        parent = None
-        for i in range(max_hits):
-            block = tuple(int(t) for t in token_ids[i * self.page_size:(i + 1) * self.page_size])
-            h = hash_page(parent, block)
-            page = self._hash_to_page.get(h)
-            if page is None:
-                break
-            entry = self._cached[page]
-            # Verify, never trust the hash: a collision must not share someone else's KV.
-            if entry.token_ids != block or entry.parent_hash != parent:
-                break
-            pages.append(page)
-            hashes.append(h)
-            parent = h
-        return pages, hashes
+        return match_prefix(self._hash_to_page, self._cached, token_ids, self.page_size)
 
     def _take_page(self) -> int:
         """A page with refcount 0 for a new owner; evicts the LRU cached page if needed."""
@@ -321,3 +284,6 @@ class BlockManager:
     def _bump(self, page: int) -> None:
         self.generation[page] += 1
         self._pending[page] = self._pending.get(page, 0) + 1
+
+
+__all__ = ["Allocation", "BlockManager", "GenerationUpdates", "NULL_PAGE", "NoFreePagesError", "hash_page"]

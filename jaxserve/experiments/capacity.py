@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from jaxserve.experiments import common
+from jaxserve.experiments import common, engine_runs
 
 DEFAULT_BUDGET = "6.5MB"
 DEFAULT_FORMATS = ("bf16", "fp8_e4m3")
@@ -29,6 +29,59 @@ DEFAULT_FORMATS = ("bf16", "fp8_e4m3")
 
 def _pages_per_request(prompt_len: int, max_tokens: int, page_size: int) -> int:
     return -(-(prompt_len + max_tokens) // page_size)
+
+
+def _load_format(model, path: str, fmt: str, kv_budget: int, per_req: int, page_size: int, prompt_len: int, max_level: int,
+                 dtype: str, engine_kw: dict, log):
+    """One KV format's LLM on the byte budget, checked to hold exactly the pages the budget buys."""
+    from jaxserve import LLM
+
+    bpp = common.kv_bytes_per_page(path, fmt, page_size, dtype)
+    num_pages = kv_budget // bpp
+    if num_pages < per_req + 1:
+        raise ValueError(f"a KV budget of {kv_budget} B buys {num_pages} {fmt} pages of {bpp} B; "
+                         f"one request needs {per_req} pages plus the null page")
+    log(f"[capacity] {fmt}: {bpp} B/page -> {num_pages} pages in {kv_budget} B; loading")
+    # The engine sizes its own pool from the byte budget (kv_cache_memory), as a server does.
+    llm = LLM(model, dtype=dtype, kv_format=fmt, kv_cache_memory=kv_budget, page_size=page_size,
+              max_num_seqs=max_level, max_prefill_seqs=max_level,
+              max_num_batched_tokens=max_level * prompt_len, prefill_chunk=max(prompt_len, 16),
+              max_model_len=per_req * page_size, enable_prefix_caching=False,
+              strict_compiles=False,  # warmed level by level: compilations are counted, not raised
+              **engine_kw)
+    if llm.num_pages != num_pages:
+        raise AssertionError(f"{fmt}: the engine made {llm.num_pages} pages of the budget, expected {num_pages}")
+    held = llm.memory_report()["kv_bytes"]
+    if held != num_pages * bpp or held > kv_budget:
+        raise AssertionError(f"{fmt}: runner holds {held} B of KV, expected {num_pages} x {bpp} <= {kv_budget}")
+    return llm, {
+        "bytes_per_page": bpp, "bytes_per_token": bpp / page_size, "num_pages": num_pages,
+        "kv_bytes_held": held, "usable_pages": num_pages - 1, "token_slots": (num_pages - 1) * page_size,
+        "requests_that_fit": (num_pages - 1) // per_req, "weight_formats": llm.runner.weight_formats,
+    }
+
+
+def _run_level(llms: dict, prompts, params, reps: int, log) -> list[dict]:
+    """One concurrency level (c = len(prompts)): warm every format, then reps timed runs each, in
+    alternating order."""
+    c = len(prompts)
+    # Warm-up: the same workload once per format (deterministic scheduling, so the timed
+    # runs visit exactly the shapes compiled here); then count any compile as a flaw.
+    for fmt, llm in llms.items():
+        t = time.perf_counter()
+        engine_runs.run_requests(llm, prompts, params)
+        llm.engine.mark_warm()
+        log(f"[capacity] c={c} {fmt}: warm-up {time.perf_counter() - t:.1f}s")
+    rows = []
+    active = list(llms)
+    for rep in range(reps):
+        for fmt in active if rep % 2 == 0 else active[::-1]:
+            m = engine_runs.run_requests(llms[fmt], prompts, params)
+            rows.append({"kv_format": fmt, "concurrency": c, "rep": rep, **m.as_dict()})
+            log(f"[capacity] c={c} rep={rep} {fmt}: decode {m.decode_tok_s:.1f} tok/s, "
+                f"output {m.output_tok_s:.1f} tok/s, max running {m.max_running}, "
+                f"preemptions {m.preemptions}, compiles {m.compiles}")
+    return rows
 
 
 def run(
@@ -50,7 +103,6 @@ def run(
     engine_kw: dict | None = None,
 ) -> dict:
     """engine_kw: further LLM arguments every format's engine gets (weight formats, backends)."""
-    from jaxserve import LLM
     from jaxserve.engine.sampling_params import SamplingParams
 
     t_start = time.perf_counter()
@@ -58,69 +110,24 @@ def run(
     path = common.resolve_model(model)
     per_req = _pages_per_request(prompt_len, max_tokens, page_size)
     max_level = max(levels) if levels else max_concurrency
-    max_len = per_req * page_size
-    formats = {}
-    llms = {}
+    llms, formats = {}, {}
     for fmt in kv_formats:
-        bpp = common.kv_bytes_per_page(path, fmt, page_size, dtype)
-        num_pages = kv_budget // bpp
-        if num_pages < per_req + 1:
-            raise ValueError(f"a KV budget of {kv_budget} B buys {num_pages} {fmt} pages of {bpp} B; "
-                             f"one request needs {per_req} pages plus the null page")
-        log(f"[capacity] {fmt}: {bpp} B/page -> {num_pages} pages in {kv_budget} B; loading")
-        # The engine sizes its own pool from the byte budget (kv_cache_memory), as a server does.
-        llm = LLM(model, dtype=dtype, kv_format=fmt, kv_cache_memory=kv_budget, page_size=page_size,
-                  max_num_seqs=max_level, max_prefill_seqs=max_level,
-                  max_num_batched_tokens=max_level * prompt_len, prefill_chunk=max(prompt_len, 16),
-                  max_model_len=max_len, enable_prefix_caching=False,
-                  strict_compiles=False,  # warmed level by level: compilations are counted, not raised
-                  **(engine_kw or {}))
-        if llm.num_pages != num_pages:
-            raise AssertionError(f"{fmt}: the engine made {llm.num_pages} pages of the budget, expected {num_pages}")
-        held = llm.memory_report()["kv_bytes"]
-        if held != num_pages * bpp or held > kv_budget:
-            raise AssertionError(f"{fmt}: runner holds {held} B of KV, expected {num_pages} x {bpp} <= {kv_budget}")
-        llms[fmt] = llm
-        formats[fmt] = {
-            "bytes_per_page": bpp, "bytes_per_token": bpp / page_size, "num_pages": num_pages,
-            "kv_bytes_held": held, "usable_pages": num_pages - 1, "token_slots": (num_pages - 1) * page_size,
-            "requests_that_fit": (num_pages - 1) // per_req, "weight_formats": llm.runner.weight_formats,
-        }
+        llms[fmt], formats[fmt] = _load_format(model, path, fmt, kv_budget, per_req, page_size, prompt_len, max_level,
+                                               dtype, engine_kw or {}, log)
     vocab = next(iter(llms.values())).cfg.vocab_size
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-
     if levels is None:
-        levels, c = [], 1
-        while c <= max_concurrency:
-            levels.append(c)
-            c *= 2
+        levels = [2**k for k in range(max(max_concurrency, 0).bit_length())]  # 1, 2, 4, ... <= max_concurrency
     active = list(kv_formats)
     runs = []
     for c in levels:
         if not active:
             break
-        prompts = common.random_prompts(c, prompt_len, vocab, seed + c)
-        # Warm-up: the same workload once per format (deterministic scheduling, so the timed
-        # runs visit exactly the shapes compiled here); then count any compile as a flaw.
-        for fmt in active:
-            t = time.perf_counter()
-            common.run_requests(llms[fmt], prompts, params)
-            llms[fmt].engine.mark_warm()
-            log(f"[capacity] c={c} {fmt}: warm-up {time.perf_counter() - t:.1f}s")
-        for rep in range(reps):
-            order = active if rep % 2 == 0 else active[::-1]
-            for fmt in order:
-                m = common.run_requests(llms[fmt], prompts, params)
-                row = {"kv_format": fmt, "concurrency": c, "rep": rep, **m.as_dict()}
-                runs.append(row)
-                log(f"[capacity] c={c} rep={rep} {fmt}: decode {m.decode_tok_s:.1f} tok/s, "
-                    f"output {m.output_tok_s:.1f} tok/s, max running {m.max_running}, "
-                    f"preemptions {m.preemptions}, compiles {m.compiles}")
-        out_of_kv = []
-        for fmt in active:
-            rows = [r for r in runs if r["kv_format"] == fmt and r["concurrency"] == c]
-            if any(r["preemptions"] > 0 or r["max_running"] < c for r in rows):
-                out_of_kv.append(fmt)
+        prompts = engine_runs.random_prompts(c, prompt_len, vocab, seed + c)
+        rows = _run_level({f: llms[f] for f in active}, prompts, params, reps, log)
+        runs += rows
+        # A format is out of KV at this level once a run preempted or could not run all c at once.
+        out_of_kv = {r["kv_format"] for r in rows if r["preemptions"] > 0 or r["max_running"] < c}
         active = [f for f in active if f not in out_of_kv]
 
     summary = summarize(runs, formats)
@@ -143,8 +150,8 @@ def summarize(runs: list[dict], formats: dict) -> dict:
     for fmt in formats:
         for c in sorted({r["concurrency"] for r in runs if r["kv_format"] == fmt}):
             rows = [r for r in runs if r["kv_format"] == fmt and r["concurrency"] == c]
-            dec = common.median_range([r["decode_tok_s"] for r in rows])
-            outp = common.median_range([r["output_tok_s"] for r in rows])
+            dec = engine_runs.median_range([r["decode_tok_s"] for r in rows])
+            outp = engine_runs.median_range([r["output_tok_s"] for r in rows])
             table.append({
                 "kv_format": fmt, "concurrency": c, "reps": len(rows),
                 "decode_tok_s": dec[0], "decode_tok_s_min": dec[1], "decode_tok_s_max": dec[2],

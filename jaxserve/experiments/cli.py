@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxserve.cli_args import add_format_args, format_kwargs
+from jaxserve.cli_args import add_format_args, enable_compile_cache, format_kwargs
 from jaxserve.experiments import common
 
 # Flags a sweep over weight formats sets itself (weights, quality).
@@ -55,7 +55,16 @@ def _common(p: argparse.ArgumentParser, name: str) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="experiment", required=True)
+    _add_capacity(sub)
+    _add_weights(sub)
+    _add_quality(sub)
+    r = sub.add_parser("render", help="rewrite the markdown and PNGs of saved result JSON files (no measuring)")
+    r.add_argument("json", nargs="+", help="result files written by capacity / weights / quality")
+    r.add_argument("--no-plots", action="store_true")
+    r.set_defaults(func=_run_render)
 
+
+def _add_capacity(sub) -> None:
     c = sub.add_parser("capacity", help="decode tok/s vs concurrency under a fixed KV byte budget (bf16 vs fp8 KV)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _common(c, "capacity")
@@ -74,6 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_format_args(c, skip=("--kv-cache-memory",))  # the KV formats are swept; the rest applies to each engine
     c.set_defaults(func=_run_capacity)
 
+
+def _add_weights(sub) -> None:
     w = sub.add_parser("weights", help="decode and prefill tok/s per weight representation (bf16/fp8/int4/phase-aware)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _common(w, "weights")
@@ -92,6 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_format_args(w)  # weight formats are swept by --configs: only the backends and the KV budget apply
     w.set_defaults(func=_run_weights)
 
+
+def _add_quality(sub) -> None:
     q = sub.add_parser("quality", help="perplexity / KL / top-1 vs the float32 reference on pydoc text, with CIs",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _common(q, "quality")
@@ -116,12 +129,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--no-reference-check", action="store_true")
     add_format_args(q, skip=SWEPT + ("--kv-cache-memory", "--memory-fraction"))  # pages are sized for the documents
     q.set_defaults(func=_run_quality)
-
-
-    r = sub.add_parser("render", help="rewrite the markdown and PNGs of saved result JSON files (no measuring)")
-    r.add_argument("json", nargs="+", help="result files written by capacity / weights / quality")
-    r.add_argument("--no-plots", action="store_true")
-    r.set_defaults(func=_run_render)
 
 
 def register(subparsers) -> None:
@@ -150,7 +157,7 @@ def _run_capacity(args) -> int:
     from jaxserve.experiments import capacity
     from jaxserve.kv.memory import kv_budget
 
-    common.enable_compile_cache()
+    enable_compile_cache()
     kw = _engine_kw(args)
     budget = args.kv_budget
     if budget is None:
@@ -167,7 +174,7 @@ def _run_capacity(args) -> int:
 def _run_weights(args) -> int:
     from jaxserve.experiments import weights
 
-    common.enable_compile_cache()
+    enable_compile_cache()
     r = weights.run(args.model, args.configs, args.levels, args.prompt_len, args.max_tokens, args.reps,
                     args.kv_format, args.page_size, args.dtype, args.seed, args.out, args.name, not args.no_plots,
                     baseline=args.baseline, engine_kw=_engine_kw(args, SWEPT))
@@ -178,7 +185,7 @@ def _run_weights(args) -> int:
 def _run_quality(args) -> int:
     from jaxserve.experiments import quality
 
-    common.enable_compile_cache()
+    enable_compile_cache()
     r = quality.run(args.model, args.configs, args.docs, args.prefix, args.cont, args.chunk, args.batch,
                     args.page_size, args.sample_prompts, args.seeds, args.sample_tokens, args.temperature, args.top_p,
                     args.n_boot, args.seed, args.resume, not args.no_reference_check, args.out, args.name,

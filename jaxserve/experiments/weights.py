@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from jaxserve.experiments import common
+from jaxserve.experiments import common, engine_runs
 
 DEFAULT_CONFIGS = (
     "float32=none/none",
@@ -95,37 +95,15 @@ def run(
     levels = sorted(set(int(c) for c in levels))
     max_level = max(levels)
     per_req = -(-(prompt_len + max_tokens) // page_size)
-    num_pages = max_level * per_req + 1
-    parsed = [parse_config(c) for c in configs]
-    llms, info = {}, {}
-    for name_, pre, dec in parsed:
-        log(f"[weights] loading {name_}: prefill {pre or 'as loaded'}, decode {dec or 'as loaded'}")
-        llm, emulated = build(model, name_, pre, dec, dtype, kv_format, num_pages, page_size, max_level,
-                              prompt_len, per_req * page_size, matmul_backend, engine_kw)
-        llms[name_] = llm
-        info[name_] = {"prefill_weights": pre or f"as loaded ({dtype})",
-                       "decode_weights": dec or f"as loaded ({dtype})",
-                       "matmul_paths": llm.runner.weight_paths(),
-                       "int4_prefill_emulated": emulated, "weight_bytes": phase_bytes(llm)}
+    llms, info = _load_configs(model, configs, dtype, kv_format, max_level * per_req + 1, page_size, max_level,
+                               prompt_len, per_req * page_size, matmul_backend, engine_kw, log)
     vocab = next(iter(llms.values())).cfg.vocab_size
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     warm = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
     names = list(llms)
     runs = []
     for c in levels:
-        prompts = common.random_prompts(c, prompt_len, vocab, seed + c)
-        for n in names:  # compiles this level's shapes: prefill [c, prompt] and decode [c]
-            t = time.perf_counter()
-            common.run_requests(llms[n], prompts, warm)
-            llms[n].engine.mark_warm()
-            log(f"[weights] c={c} {n}: warm-up {time.perf_counter() - t:.1f}s")
-        for rep in range(reps):
-            order = names[rep % len(names):] + names[: rep % len(names)]  # rotate who goes first
-            for n in order:
-                m = common.run_requests(llms[n], prompts, params)
-                runs.append({"config": n, "concurrency": c, "rep": rep, **m.as_dict()})
-                log(f"[weights] c={c} rep={rep} {n}: prefill {m.prefill_tok_s:.1f} tok/s, "
-                    f"decode {m.decode_tok_s:.1f} tok/s, compiles {m.compiles}")
+        runs += _run_level(llms, engine_runs.random_prompts(c, prompt_len, vocab, seed + c), warm, params, reps, log)
     baseline = baseline or ("float32" if "float32" in names else names[0])
     if baseline not in names:
         raise ValueError(f"baseline {baseline!r} is not one of the configurations {names}")
@@ -142,16 +120,51 @@ def run(
     return result
 
 
+def _load_configs(model, configs, dtype, kv_format, num_pages, page_size, max_level, prompt_len, max_len,
+                  matmul_backend, engine_kw, log) -> tuple[dict, dict]:
+    """Every configuration's LLM, and what it runs (formats, matmul paths, bytes per phase)."""
+    llms, info = {}, {}
+    for name_, pre, dec in [parse_config(c) for c in configs]:  # every spec checked before loading
+        log(f"[weights] loading {name_}: prefill {pre or 'as loaded'}, decode {dec or 'as loaded'}")
+        llm, emulated = build(model, name_, pre, dec, dtype, kv_format, num_pages, page_size, max_level,
+                              prompt_len, max_len, matmul_backend, engine_kw)
+        llms[name_] = llm
+        info[name_] = {"prefill_weights": pre or f"as loaded ({dtype})", "decode_weights": dec or f"as loaded ({dtype})",
+                       "matmul_paths": llm.runner.weight_paths(), "int4_prefill_emulated": emulated,
+                       "weight_bytes": phase_bytes(llm)}
+    return llms, info
+
+
+def _run_level(llms: dict, prompts, warm, params, reps: int, log) -> list[dict]:
+    """One concurrency level (c = len(prompts)): warm every configuration, then reps timed runs
+    each, the first configuration rotating from repeat to repeat."""
+    c, names = len(prompts), list(llms)
+    for n in names:  # compiles this level's shapes: prefill [c, prompt] and decode [c]
+        t = time.perf_counter()
+        engine_runs.run_requests(llms[n], prompts, warm)
+        llms[n].engine.mark_warm()
+        log(f"[weights] c={c} {n}: warm-up {time.perf_counter() - t:.1f}s")
+    rows = []
+    for rep in range(reps):
+        order = names[rep % len(names):] + names[: rep % len(names)]  # rotate who goes first
+        for n in order:
+            m = engine_runs.run_requests(llms[n], prompts, params)
+            rows.append({"config": n, "concurrency": c, "rep": rep, **m.as_dict()})
+            log(f"[weights] c={c} rep={rep} {n}: prefill {m.prefill_tok_s:.1f} tok/s, "
+                f"decode {m.decode_tok_s:.1f} tok/s, compiles {m.compiles}")
+    return rows
+
+
 def summarize(runs, names, levels, baseline: str = "fp8") -> dict:
     table = []
     for n in names:
         row = {"config": n}
         for c in levels:
             rows = [r for r in runs if r["config"] == n and r["concurrency"] == c]
-            d = common.median_range([r["decode_tok_s"] for r in rows])
-            ms = common.median_range([r["decode_tok_s_median_step"] for r in rows])
+            d = engine_runs.median_range([r["decode_tok_s"] for r in rows])
+            ms = engine_runs.median_range([r["decode_tok_s_median_step"] for r in rows])
             row[f"decodemed_c{c}"], row[f"decodemed_c{c}_min"], row[f"decodemed_c{c}_max"] = ms
-            p = common.median_range([r["prefill_tok_s"] for r in rows])
+            p = engine_runs.median_range([r["prefill_tok_s"] for r in rows])
             row[f"decode_c{c}"], row[f"decode_c{c}_min"], row[f"decode_c{c}_max"] = d
             row[f"prefill_c{c}"], row[f"prefill_c{c}_min"], row[f"prefill_c{c}_max"] = p
             row[f"compiles_c{c}"] = sum(r["compiles"] for r in rows)
@@ -169,7 +182,7 @@ def summarize(runs, names, levels, baseline: str = "fp8") -> dict:
                         b = [r[key] for r in runs if r["config"] == baseline and r["concurrency"] == c and r["rep"] == rep]
                         if a and b and b[0] > 0:
                             ratios.append(a[0] / b[0])
-                    paired.setdefault(n, {})[f"{key.split('_')[0]}_c{c}"] = common.median_range(ratios)
+                    paired.setdefault(n, {})[f"{key.split('_')[0]}_c{c}"] = engine_runs.median_range(ratios)
     base = next((t for t in table if t["config"] == baseline), None)
     gains = {}
     if base is not None:

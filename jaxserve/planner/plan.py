@@ -165,6 +165,62 @@ class PlanResult:
         return dataclasses.asdict(self)
 
 
+def _formats(config: dict, weights: str | None, **groups: str | None) -> dict:
+    """Each group's weight format: as shipped, then ``weights`` for experts, attention and MLP,
+    then the per-group overrides (experts, attention, mlp, embed)."""
+    fmts = shipped_formats(config)
+    if weights:
+        fmts.update(dict.fromkeys(("experts", "attention", "mlp"), parse_weight_format(weights)))
+    for g, f in groups.items():
+        if f:
+            fmts[g] = parse_weight_format(f)
+    return fmts
+
+
+def _weight_bytes(tensors, fmts: dict, c: dict, tp: int, ep: int) -> tuple[dict, dict, int]:
+    """(parameters per group and total, checkpoint bytes per group, weight bytes per device)."""
+    n_exp = c.get("n_routed_experts") or 1
+    kvh = c.get("num_key_value_heads") or 1
+    frac = {"ep": math.ceil(n_exp / ep) / n_exp, "tp": 1 / tp, "rep": 1.0,
+            "kv": max(1, math.ceil(kvh / tp)) / kvh}
+    params = dict.fromkeys(GROUPS, 0)
+    by_group = dict.fromkeys(GROUPS, 0)
+    per_device = 0.0
+    for t in tensors:
+        b = t.nbytes(fmts)
+        params[t.group] += t.params
+        by_group[t.group] += b
+        per_device += b * frac[t.shard]
+    params["total"] = sum(params.values())
+    return params, by_group, math.ceil(per_device)
+
+
+def _assumptions(dev, arch: str, c: dict, layout, tp: int, ep: int, usable_fraction: float, reserve_bytes: int,
+                 kv_scale_bytes: int, include_mtp: bool) -> dict:
+    """What the plan assumes, in words (``PlanResult.assumptions``)."""
+    vectors = {"mla": "latent and rope per layer", "gqa": "K and V per KV head per layer"}[layout.kind]
+    if arch == "GlmMoeDsaForCausalLM":
+        vectors += ", DSA indexer key per indexer layer"
+    return {
+        "device_memory": f"{dev.note or dev.name}: {dev.memory_bytes:,} B",
+        "usable_fraction": f"{usable_fraction} of device memory for weights + KV",
+        "reserve": f"{reserve_bytes:,} B per device for activations, workspace, MoE buffers, CUDA graphs",
+        "sharding": (f"experts over ep={ep}; attention heads, dense/shared MLP and vocab over tp={tp}; "
+                     "GQA k/v by KV head; MLA q_a/kv_a, indexer, norms, router replicated"),
+        "kv": ("MLA latent + rope key (+ DSA indexer key) replicated on each device of a TP group"
+               if layout.kind == "mla" else "GQA K and V split by KV head (one head per device if tp > kv_heads)"),
+        "kv_scales": (f"fp8 only: {kv_scale_bytes} B per cached vector per token ({layout.vectors} vectors/token: "
+                      f"{vectors}); the article's figure ignores scales (kv_scale_bytes=0)"),
+        "kept_dtypes": ("norms bf16; router weight and e_score_correction_bias float32 (routing runs in float32); "
+                        "never quantized"),
+        "int4": "symmetric, one bf16 scale per group of input weights (compressed-tensors pack-quantized)",
+        "fp8": "e4m3, float32 scales per output channel or per 128x128 block",
+        "mtp": ("MTP layers counted (embeddings/head shared)" if include_mtp else
+                f"MTP layers not counted ({c.get('num_nextn_predict_layers') or 0} in config)"),
+        "units": "bytes; GB = 1e9 bytes",
+    }
+
+
 def plan(config: dict, *, devices: int = 8, device: str | DeviceSpec = "h200",
          weights: str | None = None, experts_format: str | None = None,
          attention_format: str | None = None, mlp_format: str | None = None,
@@ -187,29 +243,9 @@ def plan(config: dict, *, devices: int = 8, device: str | DeviceSpec = "h200",
         raise ValueError("need 0 < usable_fraction <= 1, reserve_bytes >= 0, kv_scale_bytes >= 0")
     arch, c = resolve_architecture(config)
     kv_format = parse_kv_format(kv_format)
-    fmts = shipped_formats(config)
-    if weights:
-        fmts.update(dict.fromkeys(("experts", "attention", "mlp"), parse_weight_format(weights)))
-    for g, f in (("experts", experts_format), ("attention", attention_format),
-                 ("mlp", mlp_format), ("embed", embed_format)):
-        if f:
-            fmts[g] = parse_weight_format(f)
-
-    tensors = model_tensors(config, include_mtp)
-    n_exp = c.get("n_routed_experts") or 1
-    kvh = c.get("num_key_value_heads") or 1
-    frac = {"ep": math.ceil(n_exp / ep) / n_exp, "tp": 1 / tp, "rep": 1.0,
-            "kv": max(1, math.ceil(kvh / tp)) / kvh}
-    params = dict.fromkeys(GROUPS, 0)
-    by_group = dict.fromkeys(GROUPS, 0)
-    per_device = 0.0
-    for t in tensors:
-        b = t.nbytes(fmts)
-        params[t.group] += t.params
-        by_group[t.group] += b
-        per_device += b * frac[t.shard]
-    params["total"] = sum(params.values())
-    weights_dev = math.ceil(per_device)
+    fmts = _formats(config, weights, experts=experts_format, attention=attention_format, mlp=mlp_format,
+                    embed=embed_format)
+    params, by_group, weights_dev = _weight_bytes(model_tensors(config, include_mtp), fmts, c, tp, ep)
 
     layout = kv_layout(config)
     kv_tok = kv_bytes(layout.values, layout.vectors, kv_format, kv_scale_bytes)
@@ -221,27 +257,8 @@ def plan(config: dict, *, devices: int = 8, device: str | DeviceSpec = "h200",
     ctx = context_len or c.get("max_position_embeddings") or 4096
     if ctx < 1:
         raise ValueError(f"context_len must be positive, got {ctx}")
-    vectors = {"mla": "latent and rope per layer", "gqa": "K and V per KV head per layer"}[layout.kind]
-    if arch == "GlmMoeDsaForCausalLM":
-        vectors += ", DSA indexer key per indexer layer"
-    assumptions = {
-        "device_memory": f"{dev.note or dev.name}: {dev.memory_bytes:,} B",
-        "usable_fraction": f"{usable_fraction} of device memory for weights + KV",
-        "reserve": f"{reserve_bytes:,} B per device for activations, workspace, MoE buffers, CUDA graphs",
-        "sharding": (f"experts over ep={ep}; attention heads, dense/shared MLP and vocab over tp={tp}; "
-                     "GQA k/v by KV head; MLA q_a/kv_a, indexer, norms, router replicated"),
-        "kv": ("MLA latent + rope key (+ DSA indexer key) replicated on each device of a TP group"
-               if layout.kind == "mla" else "GQA K and V split by KV head (one head per device if tp > kv_heads)"),
-        "kv_scales": (f"fp8 only: {kv_scale_bytes} B per cached vector per token ({layout.vectors} vectors/token: "
-                      f"{vectors}); the article's figure ignores scales (kv_scale_bytes=0)"),
-        "kept_dtypes": ("norms bf16; router weight and e_score_correction_bias float32 (routing runs in float32); "
-                        "never quantized"),
-        "int4": "symmetric, one bf16 scale per group of input weights (compressed-tensors pack-quantized)",
-        "fp8": "e4m3, float32 scales per output channel or per 128x128 block",
-        "mtp": ("MTP layers counted (embeddings/head shared)" if include_mtp else
-                f"MTP layers not counted ({c.get('num_nextn_predict_layers') or 0} in config)"),
-        "units": "bytes; GB = 1e9 bytes",
-    }
+    assumptions = _assumptions(dev, arch, c, layout, tp, ep, usable_fraction, reserve_bytes, kv_scale_bytes,
+                               include_mtp)
     return PlanResult(
         model=name or c.get("model_type") or arch, architecture=arch, attention=layout.kind,
         device=dev.name, device_memory_bytes=dev.memory_bytes, devices=devices, tp=tp, ep=ep, dp=dp,

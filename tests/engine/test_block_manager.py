@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import jaxserve.engine.block_manager as bm_mod
+from jaxserve.engine import prefix_cache
 from jaxserve.engine.block_manager import BlockManager, NoFreePagesError, hash_page
 from jaxserve.kv.page_tracker import PageTracker
 
@@ -205,8 +206,9 @@ TestBlockManagerStateful.settings = settings(
 # ---- unit tests -----------------------------------------------------------------------
 
 
-def test_module_imports_no_jax():
-    tree = ast.parse(pathlib.Path(bm_mod.__file__).read_text())
+@pytest.mark.parametrize("mod", [bm_mod, prefix_cache])
+def test_module_imports_no_jax(mod):
+    tree = ast.parse(pathlib.Path(mod.__file__).read_text())
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
     assert not [n for n in names if n.split(".")[0] in ("jax", "jaxlib", "flax")]
@@ -252,7 +254,7 @@ def test_partial_pages_are_never_cached():
 
 
 def test_hash_collision_does_not_share(monkeypatch):
-    monkeypatch.setattr(bm_mod, "hash_page", lambda parent, tokens: 12345)
+    monkeypatch.setattr(prefix_cache, "hash_page", lambda parent, tokens: 12345)
     bm = BlockManager(16, 4)
     bm.allocate_prompt("a", [1, 2, 3, 4, 5])
     bm.commit_full_pages("a", [1, 2, 3, 4, 5])

@@ -1,6 +1,5 @@
 """Per-phase weight formats: one model, a prefill representation and a decode representation,
 each program reading its own."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
