@@ -1,7 +1,7 @@
 """Combining attention over disjoint key sets via log-sum-exp.
 
-A decode step attends to the paged context (the kernel) and to the in-flight token(s)
-(the runner, in XLA). Each part returns its softmax-normalised output and the
+The kernel splits a long context across programs (flash-decoding), and a caller may attend
+to other keys elsewhere. Each part returns its softmax-normalised output and the
 log-sum-exp of its scaled scores; the exact softmax over the union of keys is
 
     out = (exp(lse_a - m) * out_a + exp(lse_b - m) * out_b) / (exp(lse_a - m) + exp(lse_b - m))
