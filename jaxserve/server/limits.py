@@ -9,16 +9,21 @@ Streams are bounded too: ``StreamSlots`` counts open GenerateStream calls per co
 (the peer address, host and port) and in total; one over either cap is RESOURCE_EXHAUSTED
 (a quota, like the waiting queue: retrying elsewhere or later helps, retrying at once on
 the same connection does not). A stream whose client stops reading is cancelled after
-``stream_idle_timeout_s`` (see ``JaxServeService.GenerateStream``).
+``stream_idle_timeout_s`` (``watch_unread``).
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
+import logging
+import time
 
 import grpc
 
 from jaxserve.server import errors
+
+log = logging.getLogger("jaxserve.server")
 
 # A token is rarely longer than ~10 bytes of UTF-8 text; 32 leaves room for any tokenizer
 # and language while still refusing a text whose tokens could never fit the context.
@@ -108,3 +113,19 @@ class StreamSlots:
         self.per_peer[peer] -= 1
         if self.per_peer[peer] <= 0:
             del self.per_peer[peer]
+
+
+async def watch_unread(streams, timeout: float) -> None:
+    """Forever: cancel the handler of every stream (``streams()`` -> RequestStreams) whose
+    current write has waited for the client's flow-control window longer than `timeout`
+    seconds; the handler then ends the call and aborts its request."""
+    while True:
+        await asyncio.sleep(min(1.0, timeout / 4))
+        now = time.monotonic()
+        for stream in list(streams()):
+            since = stream.writing_since
+            if since is not None and now - since > timeout and not stream.unread and stream.task is not None:
+                log.info("GenerateStream request=%s: client read nothing for %.1fs; cancelling",
+                         stream.request_id, now - since)
+                stream.unread = True
+                stream.task.cancel()

@@ -22,7 +22,7 @@ from jaxserve.server import convert, errors
 from jaxserve.server.auth import ApiKeys
 from jaxserve.server.engine_loop import EngineLoop, RequestStream
 from jaxserve.server.errors import ServeError
-from jaxserve.server.limits import ServeLimits, StreamSlots, check_stop, check_text
+from jaxserve.server.limits import ServeLimits, StreamSlots, check_stop, check_text, watch_unread
 from jaxserve.v1 import jaxserve_pb2 as pb
 from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
 
@@ -156,19 +156,8 @@ class JaxServeService(pb_grpc.JaxServeServicer):
                 self._close(stream, "GenerateStream", outcome)
 
     async def watch_unread(self) -> None:
-        """Runs while the server does: cancels streams whose client has not taken a message
-        for the stream idle timeout (their write is still waiting for flow control)."""
-        timeout = self.limits.stream_idle_timeout_s
-        while True:
-            await asyncio.sleep(min(1.0, timeout / 4))
-            now = time.monotonic()
-            for stream in list(self.active.values()):
-                since = stream.writing_since
-                if since is not None and now - since > timeout and not stream.unread and stream.task:
-                    log.info("GenerateStream request=%s: client read nothing for %.1fs; cancelling",
-                             stream.request_id, now - since)
-                    stream.unread = True
-                    stream.task.cancel()
+        """Runs while the server does: see ``limits.watch_unread``."""
+        await watch_unread(self.active.values, self.limits.stream_idle_timeout_s)
 
     async def _open(self, req: pb.GenerateRequest, context) -> RequestStream:
         """Validate and submit; raises ServeError (nothing is submitted then)."""
