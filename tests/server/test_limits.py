@@ -166,8 +166,9 @@ def test_an_unread_stream_is_cancelled_after_its_timeout_and_its_pages_freed(ser
     release = threading.Event()
     try:
         call = client.generate_stream(IDS_A[:8], max_tokens=max_tokens, ignore_eos=True)
-        assert eventually(lambda: served.kv().used > 0, timeout=10)
-        time.sleep(0.05)  # a few steps: the start event and deltas fill the window
+        # A few tokens out: their messages (with the start event) are more than the window holds.
+        assert eventually(lambda: metric(served.metrics(), "jaxserve_completion_tokens_total")
+                          - metric(before, "jaxserve_completion_tokens_total") >= 6, timeout=10)
         held = served.server.engine_loop.call(lambda engine: release.wait(20))
         timed_out = eventually(lambda: metric(served.metrics(), "jaxserve_requests_total", **key)
                                > metric(before, "jaxserve_requests_total", **key), timeout=10)
@@ -184,3 +185,21 @@ def test_an_unread_stream_is_cancelled_after_its_timeout_and_its_pages_freed(ser
     finally:
         release.set()
         channel.close()
+
+
+def test_every_limit_is_a_serve_flag_with_the_documented_default():
+    import argparse
+
+    from jaxserve.server.cli import limits_from, register_serve
+
+    parser = argparse.ArgumentParser()
+    register_serve(parser.add_subparsers())
+    assert limits_from(parser.parse_args(["serve"])) == ServeLimits()
+    flags = ["--max-prompt-bytes", "100", "--max-stop-strings", "3", "--max-stop-bytes", "50",
+             "--max-stop-token-ids", "4", "--max-streams-per-connection", "5", "--max-streams", "6",
+             "--stream-idle-timeout", "2.5"]
+    assert limits_from(parser.parse_args(["serve", *flags])) == ServeLimits(
+        max_prompt_bytes=100, max_stop_strings=3, max_stop_bytes=50, max_stop_token_ids=4, max_streams_per_peer=5,
+        max_streams=6, stream_idle_timeout_s=2.5)
+    with pytest.raises(ValueError, match="max_streams_per_peer"):
+        limits_from(parser.parse_args(["serve", "--max-streams-per-connection", "0"]))
