@@ -26,6 +26,8 @@ import tokenizers
 # A decode that ends in this character stopped inside a multi-byte UTF-8 sequence (or the
 # model really produced U+FFFD); either way the text is held back until more ids arrive.
 REPLACEMENT_CHAR = "\ufffd"
+# Texts at least this long are encoded without holding the GIL (see Tokenizer.encode).
+GIL_FREE_CHARS = 16384
 
 
 class TokenizerError(ValueError):
@@ -175,7 +177,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`. Special tokens written in the text are always matched whole;
         `add_special_tokens` controls only the BOS/post-processor additions."""
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) >= GIL_FREE_CHARS and hasattr(self.backend, "encode_batch"):
+            # tokenizers' encode holds the GIL throughout (seconds for a few MB, freezing
+            # every other thread); encode_batch releases it and gives the same ids.
+            ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         # tokenizer_config's add_bos_token is not always reflected in tokenizer.json's
         # post-processor; add BOS here, but never twice.
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from jaxserve.checkpoint.gguf import default_model_dir, default_model_gguf
-from jaxserve.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer, TokenizerError
+from jaxserve.tokenizer import GIL_FREE_CHARS, REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer, TokenizerError
 
 TEXTS = {
     "polish": "Zażółć gęślą jaźń. Chrząszcz brzmi w trzcinie w Szczebrzeszynie.",
@@ -80,6 +80,15 @@ def test_ids_match_transformers_gguf_tokenizer(tok, hf_gguf_tok, name):
     ours = tok.encode(text)
     assert ours == hf_gguf_tok.encode(text)
     assert tok.decode(ours) == hf_gguf_tok.decode(ours, skip_special_tokens=True)
+
+
+def test_long_texts_take_the_gil_free_path_with_the_same_ids(tok, hf_gguf_tok):
+    """Texts of GIL_FREE_CHARS or more are encoded another way (the batch API, which
+    releases the GIL): the ids must still be the reference tokenizer's."""
+    text = "".join(list(TEXTS.values()) + [SPECIAL_TEXT]) * 80
+    assert len(text) >= GIL_FREE_CHARS
+    assert tok.encode(text) == hf_gguf_tok.encode(text)
+    assert tok.encode(text, add_special_tokens=False) == hf_gguf_tok.encode(text, add_special_tokens=False)
 
 
 def test_converted_files_load_in_transformers(tok, model_dir):

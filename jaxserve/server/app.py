@@ -19,6 +19,7 @@ from jaxserve.server import convert
 from jaxserve.server.auth import ApiKeys
 from jaxserve.server.engine_loop import EngineLoop
 from jaxserve.server.guard import RequestGuard
+from jaxserve.server.limits import ServeLimits
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.service import JaxServeService
 from jaxserve.v1 import jaxserve_pb2 as pb
@@ -40,19 +41,22 @@ class Server:
     but not yet admitted before new ones get RESOURCE_EXHAUSTED. credentials: a
     grpc.ServerCredentials (``auth.server_credentials``) for TLS, None = plaintext. keys:
     the API keys (``auth.ApiKeys``; none = no authentication). max_id_length: the longest
-    request / session id accepted. The weights are hashed here, once, for the fingerprint
-    in GetModelInfo.
+    request / session id accepted. limits: bounds on the work of one request and on open
+    streams (``limits.ServeLimits``; None = the defaults). The weights are hashed here,
+    once, for the fingerprint in GetModelInfo.
     """
 
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = 0,
                  max_waiting: int = 256, replica_id: str | None = None, metrics_host: str = "127.0.0.1",
-                 credentials=None, keys: ApiKeys | None = None, max_id_length: int = convert.MAX_ID_LENGTH):
+                 credentials=None, keys: ApiKeys | None = None, max_id_length: int = convert.MAX_ID_LENGTH,
+                 limits: ServeLimits | None = None):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         convert.check_id_options(max_id_length, replica_id)
         self.llm = llm
         self.host, self.port, self.metrics_port, self.metrics_host = host, port, metrics_port, metrics_host
         self.credentials, self.keys, self.max_id_length = credentials, keys or ApiKeys(), max_id_length
+        self.limits = limits or ServeLimits()
         self.engine_stopped = True  # False if stop() left a warm-up still compiling
         self.max_waiting = max_waiting
         self.metrics = ServerMetrics()
@@ -71,7 +75,8 @@ class Server:
             await self.health.set(name, _NOT_SERVING)
         self.engine_loop = EngineLoop(self.llm.engine, self.metrics, loop, self._on_ready, self._on_failed)
         self.service = JaxServeService(self.llm, self.engine_loop, self.metrics, self.info, self.max_waiting,
-                                       keys=self.keys, max_id_length=self.max_id_length)
+                                       keys=self.keys, max_id_length=self.max_id_length, limits=self.limits)
+        self._watchdog = asyncio.ensure_future(self.service.watch_unread())
         # so_reuseport off: a second server asking for a busy port must fail, not share it. The
         # guard checks API keys (JaxServe only: health and reflection stay open, probes need them
         # and the schema is public) and turns unparsable request bytes into INVALID_ARGUMENT.
@@ -152,6 +157,8 @@ class Server:
         idle = await self.service.wait_idle(grace)
         log.info("drained (%s); stopping", "idle" if idle else f"{len(self.service.active)} cancelled")
         await self._grpc.stop(0.5)  # cancels what is left: their handlers abort in the engine
+        self._watchdog.cancel()
+        self.service.close()
         self.engine_loop.stop()
         # A warm-up in progress cannot be cut short (XLA is compiling), so it is not waited
         # for: engine_stopped stays False and the process may exit without it.

@@ -44,6 +44,7 @@ def register_serve(sub) -> None:
                    help="longest request_id / session_id accepted (visible ASCII only; at most 4096)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests waiting for admission before RESOURCE_EXHAUSTED")
+    _add_limit_args(p)
     p.add_argument("--replica-id", default=None, help="this replica's name in ModelInfo/metrics (default host:port)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM/SIGINT")
@@ -55,6 +56,39 @@ def register_serve(sub) -> None:
 
     add_engine_args(p.add_argument_group("engine (EngineConfig)"))
     p.set_defaults(func=run_serve)
+
+
+def _add_limit_args(p) -> None:
+    """Bounds on one request's work and on open streams (jaxserve.server.limits)."""
+    from jaxserve.server.limits import PROMPT_BYTES_PER_TOKEN, ServeLimits
+
+    d = ServeLimits()
+    p.add_argument("--max-prompt-bytes", type=int, default=None,
+                   help=f"largest text prompt (UTF-8 bytes), rejected before tokenizing; also bounds Tokenize "
+                        f"(default {PROMPT_BYTES_PER_TOKEN} x the model's max context)")
+    p.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
+                   help=f"stop strings per request (default {d.max_stop_strings})")
+    p.add_argument("--max-stop-bytes", type=int, default=d.max_stop_bytes,
+                   help=f"UTF-8 bytes of a request's stop strings together (default {d.max_stop_bytes})")
+    p.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
+                   help=f"stop token ids per request (default {d.max_stop_token_ids})")
+    p.add_argument("--max-streams-per-connection", type=int, default=d.max_streams_per_peer,
+                   help=f"open GenerateStream calls per client connection before RESOURCE_EXHAUSTED "
+                        f"(default {d.max_streams_per_peer})")
+    p.add_argument("--max-streams", type=int, default=d.max_streams,
+                   help=f"open GenerateStream calls in total before RESOURCE_EXHAUSTED (default {d.max_streams})")
+    p.add_argument("--stream-idle-timeout", type=float, default=d.stream_idle_timeout_s,
+                   help=f"seconds a stream may wait for its client to read before it is cancelled and its "
+                        f"request aborted (default {d.stream_idle_timeout_s:g})")
+
+
+def limits_from(args):
+    from jaxserve.server.limits import ServeLimits
+
+    return ServeLimits(max_stop_strings=args.max_stop_strings, max_stop_bytes=args.max_stop_bytes,
+                       max_stop_token_ids=args.max_stop_token_ids, max_prompt_bytes=args.max_prompt_bytes,
+                       max_streams_per_peer=args.max_streams_per_connection, max_streams=args.max_streams,
+                       stream_idle_timeout_s=args.stream_idle_timeout)
 
 
 def _exit_now(signum, frame):
@@ -94,6 +128,7 @@ def _run(args) -> tuple[int, bool]:
     keys = auth.keys_from(args.api_key)
     credentials = auth.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
     convert.check_id_options(args.max_id_length, args.replica_id)
+    args.limits = limits_from(args)  # ValueError (exit code 2) before the model loads
     for path in remove_stale_conversions():
         log.info("removed %s, left by a conversion whose process died", path)
     log.info("loading %s", args.model or "the default model")
@@ -132,7 +167,7 @@ async def _serve(args, llm, keys, credentials) -> tuple[int, bool]:
     server = Server(llm, host=args.host, port=args.port, max_waiting=args.max_waiting, replica_id=args.replica_id,
                     metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                     metrics_host=args.metrics_host, credentials=credentials, keys=keys,
-                    max_id_length=args.max_id_length)
+                    max_id_length=args.max_id_length, limits=args.limits)
     await server.start()
     security = (f"{'TLS' if credentials is not None else 'plaintext'}, "
                 f"{f'{len(keys)} API key(s)' if keys.enabled else 'no API key'}")

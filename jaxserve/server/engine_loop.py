@@ -50,6 +50,11 @@ class RequestStream:
     queue: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     admitted: bool = False  # a start or terminal event arrived (no longer counts as waiting)
     done: bool = False  # the handler consumed the terminal event
+    # GenerateStream only: when the write in progress began (None: not writing), the
+    # handler's task, and whether the unread-stream watchdog cancelled it.
+    writing_since: float | None = None
+    task: asyncio.Task | None = None
+    unread: bool = False
 
     async def events(self):
         """Yield events up to and including the terminal one."""

@@ -9,6 +9,7 @@ if it is still running (freeing its pages at once), and counts the outcome.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import itertools
 import logging
@@ -21,6 +22,7 @@ from jaxserve.server import convert, errors
 from jaxserve.server.auth import ApiKeys
 from jaxserve.server.engine_loop import EngineLoop, RequestStream
 from jaxserve.server.errors import ServeError
+from jaxserve.server.limits import ServeLimits, StreamSlots, check_stop, check_text, watch_unread
 from jaxserve.v1 import jaxserve_pb2 as pb
 from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
 
@@ -28,6 +30,8 @@ log = logging.getLogger("jaxserve.server")
 
 SESSION_HEADER = "x-session-affinity"
 REPLICA_HEADER = "x-jaxserve-replica"
+LARGE_TEXT_CHARS = 65536  # texts this long are tokenized on the LARGE_TEXT_WORKERS pool
+LARGE_TEXT_WORKERS = 2
 
 
 def _unary_errors(handler):
@@ -49,7 +53,11 @@ def _unary_errors(handler):
 
 class JaxServeService(pb_grpc.JaxServeServicer):
     def __init__(self, llm, engine_loop: EngineLoop, metrics, info: pb.ModelInfo, max_waiting: int,
-                 keys: ApiKeys | None = None, max_id_length: int = convert.MAX_ID_LENGTH):
+                 keys: ApiKeys | None = None, max_id_length: int = convert.MAX_ID_LENGTH,
+                 limits: ServeLimits | None = None):
+        self.limits = (limits or ServeLimits()).resolved(info.max_context)
+        self.slots = StreamSlots(self.limits)
+        self._large_texts = concurrent.futures.ThreadPoolExecutor(LARGE_TEXT_WORKERS, "jaxserve-tokenize")
         self.llm = llm
         self.keys = keys or ApiKeys()
         self.max_id_length = max_id_length
@@ -95,36 +103,61 @@ class JaxServeService(pb_grpc.JaxServeServicer):
                 self._close(stream, "Generate", outcome)
 
     async def GenerateStream(self, request, context):
-        stream, outcome, closed = None, "internal", False
+        """Writes with context.write so that a client that stops reading is noticed: each
+        write records when it began, and ``watch_unread`` cancels a handler whose write has
+        waited longer than the stream idle timeout (the request is aborted, its pages freed)."""
+        stream, outcome, closed, peer = None, "internal", False, context.peer() or ""
+        try:
+            self.slots.acquire(peer)
+        except ServeError as e:
+            self.metrics.requests.labels("GenerateStream", e.outcome).inc()
+            await context.abort(e.code, e.message, e.trailing_metadata())
         try:
             stream = await self._open(request, context)
+            stream.task = asyncio.current_task()
             async for ev in stream.events():
                 if ev[0] == "start":
-                    yield pb.GenerateStreamResponse(start=pb.StreamStart(
+                    msg = pb.GenerateStreamResponse(start=pb.StreamStart(
                         request_id=stream.request_id, session_id=stream.session_id,
                         prompt_tokens=ev[1], cached_tokens=ev[2]))
                 elif ev[0] == "delta":
-                    yield pb.GenerateStreamResponse(delta=pb.TokenDelta(token_ids=ev[1], text=ev[2]))
+                    msg = pb.GenerateStreamResponse(delta=pb.TokenDelta(token_ids=ev[1], text=ev[2]))
                 else:
                     reason, usage, ttft, total = self._terminal(ev)
                     outcome = reason
-                    yield pb.GenerateStreamResponse(end=pb.StreamEnd(
+                    msg = pb.GenerateStreamResponse(end=pb.StreamEnd(
                         finish_reason=convert.FINISH_REASONS[reason], usage=convert.usage(usage),
                         timing=convert.timing(ttft, total)))
+                stream.writing_since = time.monotonic()
+                await context.write(msg)
+                stream.writing_since = None
         except ServeError as e:
             outcome = e.outcome
             closed = self._close(stream, "GenerateStream", outcome)  # counted before the client sees the status
             await context.abort(e.code, e.message, e.trailing_metadata())
         except (asyncio.CancelledError, GeneratorExit):
-            outcome = self._cancel_outcome(context)
-            raise
+            if stream is None or not stream.unread:
+                outcome = self._cancel_outcome(context)
+                raise
+            # Cancelled by watch_unread: the status waits behind the unread messages (abort
+            # would block on them), so it is set and the handler returns at once.
+            asyncio.current_task().uncancel()
+            outcome = "unread_timeout"
+            context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+            context.set_details(f"no stream event read for {self.limits.stream_idle_timeout_s:g}s; "
+                                f"cancelled (--stream-idle-timeout)")
         except Exception as e:
             log.exception("GenerateStream failed")
             closed = self._close(stream, "GenerateStream", "internal")
             await context.abort(grpc.StatusCode.INTERNAL, errors.internal(e).message)
         finally:
+            self.slots.release(peer)
             if not closed:
                 self._close(stream, "GenerateStream", outcome)
+
+    async def watch_unread(self) -> None:
+        """Runs while the server does: see ``limits.watch_unread``."""
+        await watch_unread(self.active.values, self.limits.stream_idle_timeout_s)
 
     async def _open(self, req: pb.GenerateRequest, context) -> RequestStream:
         """Validate and submit; raises ServeError (nothing is submitted then)."""
@@ -136,9 +169,11 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         convert.check_id("session_id" if req.session_id else SESSION_HEADER, session, self.max_id_length)
         if self.phase != "serving":
             raise errors.unavailable(self.phase)
+        check_stop(req.stop.stop, req.stop.stop_token_ids, self.limits)  # before any work on them
         params = convert.sampling_params(req)
-        if req.WhichOneof("prompt") == "text":  # tokenizing a long text must not stall the loop
-            ids = await asyncio.to_thread(convert.prompt_ids, req, self.llm.tokenizer)
+        if req.WhichOneof("prompt") == "text":
+            check_text(req.text, self.limits)  # before tokenizing it
+            ids = await self._off_loop(req.text, convert.prompt_ids, req, self.llm.tokenizer)
         else:
             ids = convert.prompt_ids(req, self.llm.tokenizer)
         rid = rid or f"req-{uuid.uuid4().hex}"
@@ -195,6 +230,17 @@ class JaxServeService(pb_grpc.JaxServeServicer):
                  (stream.session_id or "-") if stream else "-", outcome)
         return True
 
+    async def _off_loop(self, text: str, fn, *args):
+        """fn(*args) (a tokenization of `text`) on a worker thread. Large texts get their own
+        small pool, so a burst of them queues there instead of taking every default worker;
+        ``Tokenizer.encode`` releases the GIL for them, so the event loop keeps running."""
+        if len(text) < LARGE_TEXT_CHARS:
+            return await asyncio.to_thread(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._large_texts, functools.partial(fn, *args))
+
+    def close(self) -> None:
+        self._large_texts.shutdown(wait=False, cancel_futures=True)
+
     def _update_sessions(self) -> None:
         self.metrics.active_sessions.set(len({s.session_id for s in self.active.values() if s.session_id}))
 
@@ -209,8 +255,9 @@ class JaxServeService(pb_grpc.JaxServeServicer):
     @_unary_errors
     async def Tokenize(self, request, context):
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = await asyncio.to_thread(convert.encode_text, self.llm.tokenizer, request.text,
-                                      request.apply_chat_template, add)
+        check_text(request.text, self.limits, "the text")
+        ids = await self._off_loop(request.text, convert.encode_text, self.llm.tokenizer, request.text,
+                                   request.apply_chat_template, add)
         return pb.TokenizeResponse(token_ids=ids)
 
     @_unary_errors

@@ -24,6 +24,10 @@ from .tiny_model import build_tiny_text_model
 ENGINE = dict(kv_format="float32", num_pages=64, page_size=8, max_num_seqs=8, max_prefill_seqs=2,
               prefill_chunk=32, max_num_batched_tokens=64, max_model_len=256)
 MAX_WAITING = 16
+# The served fixture's limits: prompts up to 2 MiB (so a multi-MB text is tokenized while other
+# requests run), stream caps above the 8 streams per connection test_generate opens at once
+# and (in total) below MAX_WAITING, so a test can fill them while the engine is held.
+LIMITS = dict(max_prompt_bytes=2 << 20, max_streams_per_peer=10, max_streams=14, stream_idle_timeout_s=1.0)
 IDS_A = [312, 4093, 198, 1115, 27, 9804, 351, 17, 2032, 4110, 36, 720, 5, 87, 1501, 6612, 198, 42, 77, 908]
 IDS_B = [28, 9, 17012, 4422, 91, 118, 3, 4490, 6]
 
@@ -108,7 +112,9 @@ def served(llm, cases):
 
     gate, real_warmup = threading.Event(), llm.engine.warmup
     llm.engine.warmup = lambda: (gate.wait(120), real_warmup())
-    st = ServerThread(llm, max_waiting=MAX_WAITING, replica_id="test-replica").start()
+    from jaxserve.server.limits import ServeLimits
+
+    st = ServerThread(llm, max_waiting=MAX_WAITING, replica_id="test-replica", limits=ServeLimits(**LIMITS)).start()
     client = Client(st.target, timeout=60)
     boot = {"health": client.health(), "service_health": client.health("jaxserve.v1.JaxServe")}
     try:
