@@ -4,7 +4,9 @@ The architecture's explicit name map (``weight_map``) says which HF tensors buil
 our parameters. Before reading any data the loader checks both directions: every tensor
 the map needs must exist (a missing one is an error naming it) and every tensor in the
 files must be used or deliberately skipped (an unexpected one is an error naming it).
-Parameters are never left at their random initial values.
+Parameters are never left at their random initial values. A multimodal wrapper (Kimi
+K2.5's ``kimi_k25``) loads its text model: config from ``text_config``, tensors renamed from
+the wrapper's names and its vision tensors skipped (``jaxserve.checkpoint.multimodal``).
 
 Pre-quantized checkpoints (FP8 block-scaled as DeepSeek-V3/GLM ship, compressed-tensors
 int4 as Kimi K2 ships; see ``jaxserve.checkpoint.prequantized``) load in their own format:
@@ -23,11 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxserve.checkpoint import prequantized
+from jaxserve.checkpoint import multimodal, prequantized
 from jaxserve.checkpoint.prequantized import CheckpointError  # noqa: F401  (defined there, public here)
 from jaxserve.checkpoint.safetensors_io import SafetensorsFile
 from jaxserve.config import ConfigError, ModelConfig
-from jaxserve.models import config_from_dict, get_architecture
+from jaxserve.models import config_from_dict, get_architecture, text_model_config, wrapper_name
 from jaxserve.quant.phase import PhaseWeight, matrix_view, place
 from jaxserve.sharding import Mesh, config_for_mesh, named, pad_vocab, unpadded_shape
 
@@ -63,10 +65,12 @@ def tensor_index(path: str | os.PathLike) -> dict[str, Path]:
 
 
 class _Reader:
-    """Reads tensors as numpy arrays (bf16 / fp8 included), one parsed header per shard."""
+    """Reads tensors as numpy arrays (bf16 / fp8 included), one parsed header per shard.
+    `stored` renames a name the model asks for to the one in the file (multimodal wrappers)."""
 
-    def __init__(self, index: dict[str, Path]):
+    def __init__(self, index: dict[str, Path], stored: dict[str, str] | None = None):
         self.index = index
+        self.stored = stored or {}
         self._open = {}
 
     def _file(self, name: str) -> SafetensorsFile:
@@ -76,10 +80,10 @@ class _Reader:
         return self._open[fn]
 
     def __call__(self, name: str) -> np.ndarray:
-        return self._file(name).get(name)
+        return self._file(name).get(self.stored.get(name, name))
 
     def dtype_code(self, name: str) -> str | None:
-        return self._file(name).dtype_code(name) if name in self.index else None
+        return self._file(name).dtype_code(self.stored.get(name, name)) if name in self.index else None
 
 
 def _raw_config(path) -> dict:
@@ -91,10 +95,29 @@ def _raw_config(path) -> dict:
 
 
 def load_config(path: str | os.PathLike) -> ModelConfig:
-    """The model config; a quantization_config must be one jaxserve loads (else ConfigError)."""
-    raw = _raw_config(path)
-    prequantized.parse_quantization_config(raw.get("quantization_config"))
-    return config_from_dict(raw)
+    """The model config (a multimodal wrapper's text model's); a quantization_config must be one
+    jaxserve loads (else ConfigError)."""
+    text = text_model_config(_raw_config(path))
+    prequantized.parse_quantization_config(text.get("quantization_config"))
+    return config_from_dict(text)
+
+
+def _checkpoint_tensors(path, raw: dict) -> tuple[dict[str, Path], _Reader]:
+    """(tensor name -> file, reader), named as the text model's own checkpoints name them: a
+    multimodal wrapper's text tensors are renamed and its vision tensors skipped (logged)."""
+    index = tensor_index(path)
+    wrapper = wrapper_name(raw)
+    if wrapper is None:
+        return index, _Reader(index)
+    text = multimodal.text_tensors(index, path, wrapper)
+    return text.index, _Reader(text.index, text.stored)
+
+
+def _names_note(read: _Reader) -> str:
+    if not read.stored:
+        return ""
+    some = next(iter(read.stored.items()))
+    return f" (named as the text model names them; this checkpoint stores e.g. {some[0]} as {some[1]})"
 
 
 def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = None):
@@ -110,8 +133,9 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = N
     if orbax_io.is_jaxserve_checkpoint(path):
         return orbax_io.load_model(path, dtype, mesh)
     raw = _raw_config(path)
-    scheme = prequantized.parse_quantization_config(raw.get("quantization_config"))
-    cfg = config_for_mesh(config_from_dict(raw), mesh)
+    text = text_model_config(raw)
+    scheme = prequantized.parse_quantization_config(text.get("quantization_config"))
+    cfg = config_for_mesh(config_from_dict(text), mesh)
     arch = get_architecture(cfg)
     abstract = nnx.eval_shape(lambda: arch.build(cfg, dtype, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
@@ -123,10 +147,10 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = N
             f"{cfg.architecture} weight map out of sync with the model: "
             f"unmapped {_list_shown(set(flat) - set(specs))}; unknown {_list_shown(set(specs) - set(flat))}"
         )
-    index = tensor_index(path)
-    read = _Reader(index)
-    plans = {t: prequantized.plan_tensors(scheme, s, index.__contains__, read.dtype_code) for t, s in specs.items()}
-    _check_tensors(path, cfg, arch, scheme, index, plans)
+    index, read = _checkpoint_tensors(path, raw)
+    plans = {t: prequantized.plan_tensors(scheme, s, index.__contains__, read.dtype_code, read.stored.get)
+             for t, s in specs.items()}
+    _check_tensors(path, cfg, arch, scheme, index, plans, _names_note(read))
 
     loaded = []
     for p, var in nnx.to_flat_state(state):
@@ -140,17 +164,17 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = N
     return cfg, model
 
 
-def _check_tensors(path, cfg, arch, scheme, index, plans: dict) -> None:
+def _check_tensors(path, cfg, arch, scheme, index, plans: dict, note: str = "") -> None:
     """Every tensor the plans read is in the checkpoint, every checkpoint tensor is read (or one
     the architecture skips), and a quantization_config is backed by quantized tensors."""
     needed = {n for p in plans.values() for n in p.names}
     missing = needed - set(index)
     if missing:
-        raise CheckpointError(f"checkpoint {path} is missing {len(missing)} tensor(s): {_list_shown(missing)}")
+        raise CheckpointError(f"checkpoint {path} is missing {len(missing)} tensor(s): {_list_shown(missing)}{note}")
     unexpected = {n for n in index if n not in needed and not arch.skip_tensor(cfg, n)}
     if unexpected:
         raise CheckpointError(
-            f"checkpoint {path} has {len(unexpected)} unexpected tensor(s): {_list_shown(unexpected)}"
+            f"checkpoint {path} has {len(unexpected)} unexpected tensor(s): {_list_shown(unexpected)}{note}"
         )
     if scheme is not None and not prequantized.count_quantized(plans.values()):
         raise ConfigError(f"{path}: quantization_config says {scheme.method} ({scheme.weight_format}), "

@@ -111,3 +111,25 @@ def build_llama(path, seed: int = 0, **overrides):
     model = _randomise(LlamaForCausalLM(LlamaConfig(**kw)).eval(), seed)
     model.save_pretrained(path)
     return model
+
+
+def build_kimi_k25(path, text_model, seed: int = 0):
+    """Wrap the DeepseekV3ForCausalLM `text_model` in transformers' own Kimi K2.5/K2.6 multimodal
+    model (a vision tower and projector, as small as the classes allow, randomised), copy the text
+    weights in unchanged and save; return the torch wrapper."""
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+    vision = dict(patch_size=2, pos_emb_height=2, pos_emb_width=2, pos_emb_time=1, num_attention_heads=1,
+                  num_hidden_layers=1, hidden_size=8, intermediate_size=8, merge_kernel_size=[2, 2])
+    cfg = Kimi_K25Config(text_config=text_model.config.to_dict(), vision_config=vision,
+                         projection_hidden_size=8, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Kimi_K25ForConditionalGeneration(cfg).to(text_model.dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.startswith(("model.language_model.", "lm_head.")):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.model.language_model.load_state_dict(text_model.model.state_dict(), strict=True)
+    model.lm_head.load_state_dict(text_model.lm_head.state_dict(), strict=True)
+    model.save_pretrained(path)
+    return model

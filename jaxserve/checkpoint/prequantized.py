@@ -75,8 +75,10 @@ class QuantScheme:
     def group(self) -> int:
         return get_weight_format(self.weight_format).group
 
-    def targeted(self, module: str) -> bool:
-        """compressed-tensors: is Linear `module` (HF name without .weight) quantized?"""
+    def targeted(self, module: str, stored: str | None = None) -> bool:
+        """compressed-tensors: is Linear `module` (HF name without .weight) quantized? `stored`:
+        the module's name in the checkpoint when it differs (a multimodal wrapper's text model,
+        whose config may name either form); a target or ignore entry may match either name."""
 
         def match(name, target):
             if target == "Linear":  # class-name target: every module asked about is a Linear
@@ -85,7 +87,9 @@ class QuantScheme:
                 return re.match(target[3:], name) is not None
             return target == name
 
-        return any(match(module, t) for t in self.targets) and not any(match(module, t) for t in self.ignore)
+        names = (module,) if stored is None else (module, stored)
+        return (any(match(n, t) for n in names for t in self.targets)
+                and not any(match(n, t) for n in names for t in self.ignore))
 
 
 def parse_quantization_config(q) -> QuantScheme | None:
@@ -167,10 +171,12 @@ INT4_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape")
 
 
 def plan_tensors(scheme: QuantScheme | None, spec, has: Callable[[str], bool],
-                 dtype_of: Callable[[str], str | None]) -> TensorPlan:
+                 dtype_of: Callable[[str], str | None],
+                 stored: Callable[[str], str | None] = lambda name: None) -> TensorPlan:
     """Which checkpoint tensors build WeightSpec `spec`, given the scheme and the index.
 
-    has(name): the tensor exists; dtype_of(name): its safetensors dtype code (or None).
+    has(name): the tensor exists; dtype_of(name): its safetensors dtype code (or None);
+    stored(name): its name in the file when that differs (multimodal wrappers), else None.
     """
     plain = TensorPlan("plain", tuple(spec.sources))
     if scheme is None or not is_matmul_weight(spec.target) or not all(s.endswith(".weight") for s in spec.sources):
@@ -184,7 +190,7 @@ def plan_tensors(scheme: QuantScheme | None, spec, has: Callable[[str], bool],
         quant = [has(b + ".weight_scale_inv") or dtype_of(b + ".weight") == "F8_E4M3" for b in bases]
         suffixes, kind = FP8_SUFFIXES, "fp8"
     else:
-        quant = [scheme.targeted(b) for b in bases]
+        quant = [scheme.targeted(b, (stored(b + ".weight") or "")[: -len(".weight")] or None) for b in bases]
         suffixes, kind = INT4_SUFFIXES, "int4"
     if not any(quant):
         return plain

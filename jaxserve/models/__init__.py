@@ -53,9 +53,39 @@ def resolve_architecture(raw: dict[str, Any]) -> Architecture:
     )
 
 
+def wrapper_name(raw: dict[str, Any]) -> str | None:
+    """The wrapper's own architecture (or model_type) when `raw` is a multimodal wrapper around a
+    text model (``text_config``) and names no architecture we register itself; else None."""
+    if not isinstance(raw.get("text_config"), dict):
+        return None
+    names = raw.get("architectures") or []
+    model_type = raw.get("model_type")
+    if names[:1] and names[0] in _REGISTRY or any(model_type in a.model_types for a in _REGISTRY.values()):
+        return None
+    return names[0] if names else str(model_type)
+
+
+def text_model_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The config dict of the text model jaxserve builds: `raw` itself, or for a multimodal
+    wrapper (Kimi K2.5/K2.6 ``kimi_k25``: vision tower + projector + DeepSeek-V3 text model) its
+    ``text_config``. The wrapper's ``quantization_config`` (it covers the text weights) carries
+    over, and so does its ``tie_word_embeddings`` when it sets one: it decides whether the
+    wrapper's LM head is tied, as transformers builds it."""
+    if wrapper_name(raw) is None:
+        return raw
+    text = dict(raw["text_config"])
+    if raw.get("quantization_config") and not text.get("quantization_config"):
+        text["quantization_config"] = raw["quantization_config"]
+    if "tie_word_embeddings" in raw:
+        text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    return text
+
+
 def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
-    """A HF ``config.json`` dict -> ModelConfig, parsed by the architecture it names."""
-    return resolve_architecture(raw).parse_config(raw)
+    """A HF ``config.json`` dict -> ModelConfig, parsed by the architecture it names (for a
+    multimodal wrapper: by its text model's, ``text_model_config``)."""
+    text = text_model_config(raw)
+    return resolve_architecture(text).parse_config(text)
 
 
 def get_architecture(cfg: ModelConfig) -> Architecture:

@@ -61,8 +61,9 @@ def resolve_architecture(config: dict) -> tuple[str, dict]:
         name = MODEL_TYPES.get(config.get("model_type"), name)
     if name in ARCHITECTURES:
         return name, config
-    if isinstance(config.get("text_config"), dict):
-        return resolve_architecture(config["text_config"])
+    if isinstance(config.get("text_config"), dict):  # its own tie_word_embeddings ties its LM head
+        tie = {k: config[k] for k in ("tie_word_embeddings",) if k in config}
+        return resolve_architecture({**config["text_config"], **tie})
     raise UnsupportedArchitecture(
         f"unsupported architecture {name!r} (model_type {config.get('model_type')!r}); "
         f"supported: {', '.join(ARCHITECTURES)}")
