@@ -95,6 +95,7 @@ def text_tensors(index: dict[str, Path], path, wrapper: str) -> TextTensors:
     if skipped:
         depth = lambda n: 2 if n.startswith("model.") else 1  # noqa: E731  (model.vision_tower.*, ...)
         heads = sorted({".".join(n.split(".")[: depth(n)]) for n in skipped})
-        log.warning("%s: loading the text model only (no image input); skipped %d vision/projector tensor(s), %d bytes (%s)",
-                 wrapper, len(skipped), out.skipped_bytes(), ", ".join(h + ".*" for h in heads))
+        log.warning("%s: loading the text model only (no image input); "
+                    "skipped %d vision/projector tensor(s), %d bytes (%s)",
+                    wrapper, len(skipped), out.skipped_bytes(), ", ".join(h + ".*" for h in heads))
     return out

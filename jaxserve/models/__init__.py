@@ -70,7 +70,8 @@ def text_model_config(raw: dict[str, Any]) -> dict[str, Any]:
     wrapper (Kimi K2.5/K2.6 ``kimi_k25``: vision tower + projector + DeepSeek-V3 text model) its
     ``text_config``. The wrapper's ``quantization_config`` (it covers the text weights) carries
     over, and so does its ``tie_word_embeddings`` when it sets one: it decides whether the
-    wrapper's LM head is tied, as transformers builds it."""
+    wrapper's LM head is tied, as transformers builds it. Its bos / eos ids fill the text
+    config's when those are missing."""
     if wrapper_name(raw) is None:
         return raw
     text = dict(raw["text_config"])
@@ -78,6 +79,9 @@ def text_model_config(raw: dict[str, Any]) -> dict[str, Any]:
         text["quantization_config"] = raw["quantization_config"]
     if "tie_word_embeddings" in raw:
         text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    for key in ("bos_token_id", "eos_token_id"):  # stop ids the wrapper names and its text model does not
+        if text.get(key) is None and raw.get(key) is not None:
+            text[key] = raw[key]
     return text
 
 

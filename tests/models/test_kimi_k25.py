@@ -75,7 +75,8 @@ def module_form(name):
 
 def kimi_release_config(c):
     """The config as Moonshot ships it: remote-code architecture name, text model_type kimi_k2."""
-    return dict(c, architectures=["KimiK25ForConditionalGeneration"], text_config=dict(c["text_config"], model_type="kimi_k2"))
+    text = dict(c["text_config"], model_type="kimi_k2")
+    return dict(c, architectures=["KimiK25ForConditionalGeneration"], text_config=text)
 
 
 def test_the_checkpoint_is_a_real_wrapper(ckpts):
@@ -156,7 +157,8 @@ def test_bad_wrappers_are_refused(ckpts, tmp_path):
     no_text = rewrite(ckpts[1], tmp_path / "no_text", lambda n: None if n.startswith(TEXT) else n)
     with pytest.raises(CheckpointError, match="no text-model tensors"):
         LLM(str(no_text), **KW)
-    stray = rewrite(ckpts[1], tmp_path / "stray", lambda n: "lm_head.weight" if n == "mm_projector.proj.0.weight" else n)
+    stray = rewrite(ckpts[1], tmp_path / "stray",
+                    lambda n: "lm_head.weight" if n == "mm_projector.proj.0.weight" else n)
     with pytest.raises(CheckpointError, match="mixes naming forms: lm_head.weight"):
         LLM(str(stray), **KW)
     odd = tmp_path / "odd"
@@ -177,15 +179,22 @@ def test_plan_reads_the_text_model(ckpts, capsys):
     assert out["wrapped"] == out["bare"]
 
 
-def test_the_wrappers_tie_setting_decides(ckpts, tmp_path):
-    """transformers ties the wrapper's lm_head by the wrapper's own tie_word_embeddings."""
+def test_the_wrappers_tie_setting_and_stop_ids_carry_over(ckpts, tmp_path):
+    """transformers ties the wrapper's lm_head by the wrapper's own tie_word_embeddings; the
+    wrapper's eos ids fill a text config that has none."""
     raw = json.loads((ckpts[1] / "config.json").read_text())
     tied = dict(raw, tie_word_embeddings=True)  # the text_config still says false
     (tmp_path / "config.json").write_text(json.dumps(tied))
     assert load_config(ckpts[1]).tie_word_embeddings is False
     assert load_config(tmp_path).tie_word_embeddings is True
+    text = raw["text_config"]
+    no_eos = dict(tied, eos_token_id=[7, 9], text_config={k: v for k, v in text.items() if k != "eos_token_id"})
+    (tmp_path / "config.json").write_text(json.dumps(no_eos))
+    assert load_config(tmp_path).eos_token_id == (7, 9)
+    (tmp_path / "config.json").write_text(json.dumps(dict(no_eos, text_config=raw["text_config"])))
+    assert load_config(tmp_path).eos_token_id == (1,)  # the text model's own wins
     untied = count_params(raw)
-    assert count_params(tied)["embed"] == untied["embed"] - raw["text_config"]["vocab_size"] * raw["text_config"]["hidden_size"]
+    assert count_params(tied)["embed"] == untied["embed"] - text["vocab_size"] * text["hidden_size"]
     tensors = rewrite(ckpts[1], tmp_path / "t", lambda n: n, lambda c: tied)
     with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\): lm_head.weight .*stores e.g."):
         LLM(str(tensors), **KW)
