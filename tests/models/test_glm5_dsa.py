@@ -146,3 +146,16 @@ def build_config_dict(**extra):
         index_topk=8, index_head_dim=32, index_n_heads=16, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
     )
     return {**base, **extra}
+
+
+def test_pallas_backend_dense_within_index_topk_else_a_clear_error(ckpt):
+    """A page table of at most index_topk slots attends densely (any backend); past that the
+    Pallas backend, which has no sparse kernel, refuses with an error naming the way out."""
+    llm = LLM(str(ckpt[0]), dtype="float32", kv_format="float32", num_pages=16, page_size=8,
+              attention_backend="pallas_interpret")
+    ids = PROMPT[:8]  # one page = index_topk slots
+    logits = llm.runner.run(np.array([ids], np.int32), [0], [8], np.array([[3]], np.int32), all_logits=True)
+    lp = np.asarray(torch.log_softmax(torch.tensor(np.asarray(logits)[0]), -1))
+    assert np.abs(lp - ref_logprobs(ckpt[1], ids)).max() <= 1e-4
+    with pytest.raises(NotImplementedError, match="attention_backend='xla'"):
+        llm.logprobs(PROMPT[:12])
