@@ -189,3 +189,28 @@ def test_lossy_kv_formats_stay_close_to_transformers(tmp_path_factory, kv_format
     err = np.abs(llm.logprobs(PROMPT) - ref_logprobs(model, PROMPT)).max()
     print(f"kv={kv_format} vs transformers (float32), all tokens selected: max |logprob error| = {err:.3e}")
     assert err <= bound
+
+
+def test_glm5_preset_figures_agree_with_the_model():
+    """The planner's GLM-5 preset (real dimensions, 5 of its 78 layers to keep the tracing short:
+    3 dense, 2 MoE): the parameters and the KV bytes per token the planner counts are those of
+    the model jaxserve builds from the same config (shapes only)."""
+    import jax
+    from flax import nnx
+
+    from jaxserve.planner import count_params
+    from jaxserve.planner.presets import MODEL_PRESETS
+
+    raw = {**MODEL_PRESETS["glm-5"], "num_hidden_layers": 5}
+    cfg = config_from_dict({"rope_theta": 1e6, **raw})  # the preset has no rope; no count depends on it
+    arch = get_architecture(cfg)
+    model = nnx.eval_shape(lambda: arch.build(cfg, jax.numpy.bfloat16, nnx.Rngs(0)))
+    ours = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
+    assert ours == count_params(raw)["total"]
+    layout = kv_layout(raw)
+    for name in ("bf16", "fp8_e4m3"):
+        f = get_kv_format(name)
+        engine = format_token_bytes(f, *model_token_layout(model, f))
+        assert engine == format_token_bytes(f, layout.values, layout.vectors)
+    assert format_token_bytes(get_kv_format("bf16"), *model_token_layout(model, get_kv_format("bf16"))) \
+        == 5 * (512 + 64 + 128) * 2
