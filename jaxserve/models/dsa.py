@@ -69,15 +69,43 @@ class Indexer(nnx.Module):
         kv = paged.store(fmt, kv, "index_k", k, page, off)
 
         f32 = jnp.float32
-        keys = paged.load(fmt, kv, "index_k", step.page_table, f32)  # [B, C = M*S, D]
-        s = jnp.einsum("bthd,bcd->bthc", q.astype(f32), keys, preferred_element_type=f32)
-        s = jax.nn.relu(s * cfg.index_head_dim**-0.5)
         w = linear(x.astype(f32), self.weights_proj, out_dtype=f32) * cfg.index_n_heads**-0.5  # [B, T, IH]
-        scores = jnp.einsum("bthc,bth->btc", s, w, preferred_element_type=f32)
-        return kv, top_k_select(scores, visible_slots(step, keys.shape[1]), cfg.index_topk)
+        scores = index_scores(q.astype(f32), w, kv, fmt, step, page_size, cfg.index_head_dim**-0.5)
+        return kv, top_k_select(scores, visible_slots(step, scores.shape[2]), cfg.index_topk)
 
     def init_kv(self, num_pages: int, page_size: int, fmt: KVFormat) -> dict:
         return paged.new_pool(fmt, (num_pages, page_size, self.cfg.index_head_dim), "index_k")
+
+
+SCORE_CHUNK = 256  # index keys scored per loop iteration (rounded to whole pages)
+
+
+def index_scores(q, w, kv: dict, fmt: KVFormat, step, page_size: int, scale: float,
+                 chunk_tokens: int = SCORE_CHUNK):
+    """sum_h w[b,t,h] * relu(q[b,t,h] . k[b,c] * scale) for every slot c of the page table.
+
+    q f32 [B, T, IH, D], w f32 [B, T, IH] -> f32 [B, T, M*S]. The keys are read and scored a
+    chunk of pages at a time, for as many chunks as the batch's longest row needs (so the per-head
+    scores never exceed [B, T, IH, chunk_tokens] and a step costs its real context); slots past
+    that are left 0 (no query sees them).
+    """
+    f32 = jnp.float32
+    pt = step.page_table
+    b, m = pt.shape
+    cp = max(1, min(m, chunk_tokens // page_size))
+    n_total = -(-m // cp)
+    pt = jnp.pad(pt, ((0, 0), (0, n_total * cp - m)))  # padded with the null page
+    ct = cp * page_size
+
+    def body(i, scores):
+        keys = paged.load_chunk(fmt, kv, "index_k", jax.lax.dynamic_slice_in_dim(pt, i * cp, cp, axis=1), f32)
+        s = jax.nn.relu(jnp.einsum("bthd,bcd->bthc", q, keys, preferred_element_type=f32) * scale)
+        part = jnp.einsum("bthc,bth->btc", s, w, preferred_element_type=f32)  # [B, T, ct]
+        return jax.lax.dynamic_update_slice_in_dim(scores, part, i * ct, axis=2)
+
+    n = jnp.minimum((jnp.max(step.cached_lens + step.new_lens) + ct - 1) // ct, n_total)
+    scores = jax.lax.fori_loop(0, n, body, jnp.zeros((b, q.shape[1], n_total * ct), f32))
+    return scores[:, :, : m * page_size]
 
 
 def visible_slots(step, slots: int):

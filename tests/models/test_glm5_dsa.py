@@ -214,3 +214,39 @@ def test_glm5_preset_figures_agree_with_the_model():
         assert engine == format_token_bytes(f, layout.values, layout.vectors)
     assert format_token_bytes(get_kv_format("bf16"), *model_token_layout(model, get_kv_format("bf16"))) \
         == 5 * (512 + 64 + 128) * 2
+
+
+@pytest.mark.parametrize("chunk_tokens", [8, 12, 256])
+def test_index_scores_and_top_k_against_numpy(chunk_tokens):
+    """The chunked scoring loop (several chunks, a ragged last one, rows of unequal length over
+    non-contiguous pages) and the top-k choice, against a brute-force numpy reference."""
+    import jax.numpy as jnp
+
+    from jaxserve.models.dsa import index_scores, top_k_select, visible_slots
+    from jaxserve.models.step import StepInput
+
+    rng = np.random.RandomState(1)
+    b, t, ih, d, s, m, k = 2, 3, 4, 8, 4, 7, 5
+    fmt = get_kv_format("float32")
+    table = np.array([[5, 2, 9, 1, 7, 0, 0], [3, 8, 4, 6, 10, 11, 12]], np.int32)
+    cached, new = np.array([13, 22], np.int32), np.array([2, 3], np.int32)
+    keys = rng.randn(b, m * s, d).astype(np.float32)  # row b's key at position c
+    pool = np.zeros((13, s, d), np.float32)
+    for r in range(b):
+        for c in range(int(cached[r] + new[r])):
+            pool[table[r, c // s], c % s] = keys[r, c]
+    q, w = rng.randn(b, t, ih, d).astype(np.float32), rng.randn(b, t, ih).astype(np.float32)
+    step = StepInput(jnp.zeros((b, t), jnp.int32), jnp.asarray(cached), jnp.asarray(new), jnp.asarray(table))
+    got = np.asarray(index_scores(jnp.asarray(q), jnp.asarray(w), {"index_k": jnp.asarray(pool)}, fmt, step, s, 0.3,
+                                  chunk_tokens=chunk_tokens))
+    want = np.einsum("bthc,bth->btc", np.maximum(np.einsum("bthd,bcd->bthc", q, keys) * 0.3, 0), w)
+    vis = np.asarray(visible_slots(step, m * s))
+    assert np.allclose(np.where(vis, got, 0), np.where(vis, want, 0), atol=1e-5)
+    sel = np.asarray(top_k_select(jnp.asarray(want), jnp.asarray(vis), k))
+    for r in range(b):
+        for i in range(t):
+            if r == 0 and i >= new[0]:
+                assert not sel[r, i].any()  # a padding query selects nothing
+                continue
+            order = np.argsort(-np.where(vis[r, i], want[r, i], -np.inf), kind="stable")[:k]
+            assert set(np.flatnonzero(sel[r, i])) == set(order)
