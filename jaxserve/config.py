@@ -90,6 +90,12 @@ class ModelConfig:
     use_qk_norm: bool = False
     partial_rotary_factor: float = 1.0
     num_nextn_predict_layers: int = 0
+    # DeepSeek sparse attention (GLM-5): the lightning indexer, and per layer "full" (runs its
+    # own indexer) or "shared" (reuses the previous full layer's top-k selection)
+    index_topk: int | None = None
+    index_head_dim: int | None = None
+    index_n_heads: int | None = None
+    indexer_types: tuple[str, ...] = ()
     # Not from config.json: the embedding rows / LM-head columns the model is built with, the
     # vocabulary rounded up to split evenly over devices (the loader sets it under a mesh,
     # ``jaxserve.sharding.padded_vocab_size``). None: vocab_size. Padded ids are never produced:

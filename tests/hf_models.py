@@ -133,3 +133,28 @@ def build_kimi_k25(path, text_model, seed: int = 0):
     model.lm_head.load_state_dict(text_model.lm_head.state_dict(), strict=True)
     model.save_pretrained(path)
     return model
+
+
+def build_glm_moe_dsa(path, seed: int = 0, **overrides):
+    """GLM-5 (MLA + DSA indexer + sigmoid MoE), tiny: index_topk far below the test prompts'
+    lengths so the sparse path runs; full and shared indexer layers; grouped routing."""
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    kw = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+        q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+        n_shared_experts=1, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, first_k_dense_replace=1,
+        index_topk=8, index_head_dim=32, index_n_heads=16,
+        indexer_types=["full", "shared", "full", "shared"],
+        max_position_embeddings=1024, bos_token_id=0, eos_token_id=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**kw)).eval()
+    model.config._attn_implementation = "eager"
+    model = _randomise(model, seed)
+    model.save_pretrained(path)
+    return model

@@ -97,9 +97,10 @@ def get_architecture(cfg: ModelConfig) -> Architecture:
 
 
 def _register_builtin():
-    from jaxserve.models import deepseek_v3, glm4_moe, llama
+    from jaxserve.models import deepseek_v3, glm4_moe, glm_moe_dsa, llama
 
-    for module, build in ((deepseek_v3, deepseek_v3.DeepseekV3), (glm4_moe, glm4_moe.Glm4Moe), (llama, llama.Llama)):
+    for module, build in ((deepseek_v3, deepseek_v3.DeepseekV3), (glm4_moe, glm4_moe.Glm4Moe),
+                          (glm_moe_dsa, glm_moe_dsa.GlmMoeDsa), (llama, llama.Llama)):
         register(
             Architecture(
                 name=module.ARCH,

@@ -181,16 +181,25 @@ def gqa_attention_paged(q, kv, fmt, page_table, cached_lens, new_lens, scale: fl
 
 
 def mla_attention_paged(q_lat, q_rope, kv, fmt, page_table, cached_lens, new_lens, scale: float, page_size: int,
-                        chunk_tokens: int = CHUNK_TOKENS):
+                        chunk_tokens: int = CHUNK_TOKENS, select=None):
     """Absorbed-form MLA over pages that already hold this step's latent / rope key.
 
     q_lat [B, T, H, R], q_rope [B, T, H, Dr] (row b's query t at position cached_lens[b] + t);
-    kv pools "latent" [P, S, R], "rope" [P, S, Dr]; cached_lens, new_lens [B]
-    -> [B, T, H, R] in q_lat.dtype.
+    kv pools "latent" [P, S, R], "rope" [P, S, Dr]; cached_lens, new_lens [B];
+    select: None, or bool [B, T, M*S]: the positions query t may see at all (sparse attention:
+    the indexer's top-k), on top of causality -> [B, T, H, R] in q_lat.dtype.
     """
     b, t, h, r = q_lat.shape
     dt = q_lat.dtype
     f32 = jnp.float32
+    cp = chunk_pages(page_size, page_table.shape[1], chunk_tokens)
+    if select is not None:  # padded like the table in _context_loop: whole chunks, nothing selected
+        slots = -(-page_table.shape[1] // cp) * cp * page_size
+        select = jnp.pad(select, ((0, 0), (0, 0), (0, slots - select.shape[2])))
+
+    def visible(slot_pos):
+        vis = _visible(slot_pos, cached_lens, new_lens, t)
+        return vis if select is None else vis & jnp.take(select, slot_pos, axis=2)
 
     def update(pt, slot_pos, carry):
         c_lat = paged.load_chunk(fmt, kv, "latent", pt, dt)  # [B, C, R]
@@ -198,11 +207,10 @@ def mla_attention_paged(q_lat, q_rope, kv, fmt, page_table, cached_lens, new_len
         s = (jnp.einsum("bthr,bcr->bhtc", q_lat, c_lat, preferred_element_type=f32)
              + jnp.einsum("bthd,bcd->bhtc", q_rope, c_rope, preferred_element_type=f32)) * scale
         return _online_step(
-            *carry, s, _visible(slot_pos, cached_lens, new_lens, t)[:, None],
+            *carry, s, visible(slot_pos)[:, None],
             lambda p: jnp.einsum("bhtc,bcr->bhtr", p.astype(dt), c_lat, preferred_element_type=f32),
         )
 
-    cp = chunk_pages(page_size, page_table.shape[1], chunk_tokens)
     init = _online_empty((b, h, t), r)
     _, l, acc = _context_loop(page_table, cached_lens + new_lens, page_size, cp, init, update)
     return jnp.transpose(_finish(l, acc), (0, 2, 1, 3)).astype(dt)

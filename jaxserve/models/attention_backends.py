@@ -6,6 +6,9 @@ as the cache stores them (rounded / quantized by the KV format), so a request's 
 depend on the schedule. A backend is an object with one method per attention layout:
 
 - ``mla(q_lat, q_rope, kv, fmt, new_lat, new_rope, step, scale, page_size)``: absorbed MLA;
+- ``mla_sparse(q_lat, q_rope, kv, fmt, new_lat, new_rope, step, select, scale, page_size)``:
+  absorbed MLA over only the context slots ``select`` [B, T, M*S] marks (DeepSeek sparse
+  attention; the XLA backend only);
 - ``gqa(q, kv, fmt, new_k, new_v, step, scale, page_size)``: grouped-query attention.
 
 ``new_*`` are the step's K/V as stored (``paged.as_stored``); a backend may read them from the
@@ -31,6 +34,10 @@ class XlaAttention:
         return attention.mla_attention_paged(q_lat, q_rope, kv, fmt, step.page_table, step.cached_lens,
                                              step.new_lens, scale, page_size)
 
+    def mla_sparse(self, q_lat, q_rope, kv, fmt, new_lat, new_rope, step, select, scale: float, page_size: int):
+        return attention.mla_attention_paged(q_lat, q_rope, kv, fmt, step.page_table, step.cached_lens,
+                                             step.new_lens, scale, page_size, select=select)
+
     def gqa(self, q, kv, fmt, new_k, new_v, step, scale: float, page_size: int):
         return attention.gqa_attention_paged(q, kv, fmt, step.page_table, step.cached_lens, step.new_lens,
                                              scale, page_size)
@@ -48,6 +55,12 @@ class PallasAttention:
     def mla(self, q_lat, q_rope, kv, fmt, new_lat, new_rope, step, scale: float, page_size: int):
         return attention_pallas.mla_attention_pallas(q_lat, q_rope, kv, fmt, new_lat, new_rope, step, scale,
                                                      self.interpret, self.mesh)
+
+    def mla_sparse(self, q_lat, q_rope, kv, fmt, new_lat, new_rope, step, select, scale: float, page_size: int):
+        raise NotImplementedError(
+            "the Pallas attention backend has no sparse (DSA top-k) MLA kernel yet: serve DSA models "
+            "(GlmMoeDsaForCausalLM) with attention_backend='xla', or with a page table no wider than index_topk"
+        )
 
     def gqa(self, q, kv, fmt, new_k, new_v, step, scale: float, page_size: int):
         return attention_pallas.gqa_attention_pallas(q, kv, fmt, new_k, new_v, step, scale, self.interpret,

@@ -89,10 +89,7 @@ class CausalLM(nnx.Module):
         x = embedding(step.tokens, self.embed).astype(self.dtype)
         inv_freq, scale = rope_inv_freq(self.cfg.rope, self.rope_dim)
         rope = rope_cos_sin(step.positions, inv_freq, scale)
-        new_kv = []
-        for layer, layer_kv in zip(self.layers, kv):
-            x, layer_kv = layer(x, rope, step, layer_kv, fmt, page_size, backend)
-            new_kv.append(layer_kv)
+        x, new_kv = self.run_layers(x, rope, step, kv, fmt, page_size, backend)
         if not all_logits:
             x = x[jnp.arange(x.shape[0]), last_token_index(step.new_lens)]  # [B, D]
         x = self.norm(x)
@@ -103,6 +100,14 @@ class CausalLM(nnx.Module):
         if self.cfg.vocab_rows != self.cfg.vocab_size:  # padded ids: never sampled, never in log-probs
             logits = logits[..., : self.cfg.vocab_size]
         return logits, tuple(new_kv)
+
+    def run_layers(self, x, rope, step: StepInput, kv: tuple, fmt: KVFormat, page_size: int, backend):
+        """The decoder layers in order -> (x, [each layer's updated KV pools])."""
+        new_kv = []
+        for layer, layer_kv in zip(self.layers, kv):
+            x, layer_kv = layer(x, rope, step, layer_kv, fmt, page_size, backend)
+            new_kv.append(layer_kv)
+        return x, new_kv
 
     def init_kv(self, num_pages: int, page_size: int, fmt: KVFormat) -> tuple:
         """Zeroed KV pools, one dict of arrays per layer."""

@@ -37,15 +37,32 @@ class MLAttention(nnx.Module):
         self.kv_b = param(rngs, (r, h, cfg.qk_nope_head_dim + cfg.v_head_dim), (None, "heads", None), dtype)
         self.o = param(rngs, (h, cfg.v_head_dim, d), ("heads", None, "embed"), dtype)
 
+    def queries(self, x, rope):
+        """-> (q_resid [B, T, q_lora_rank] or None, q_nope [B, T, H, nope], rotated q_rope [B, T, H, Dr])."""
+        cfg = self.cfg
+        cos, sin = rope
+        nope = cfg.qk_nope_head_dim
+        q_resid = None
+        if cfg.q_lora_rank:
+            q_resid = self.q_a_norm(linear(x, self.q_a))
+            q = linear(q_resid, self.q_b)  # [B, T, H, qk_head_dim]
+        else:
+            q = linear(x, self.q_proj)
+        return q_resid, q[..., :nope], apply_rope(q[..., nope:], cos, sin, cfg.rope_interleave)
+
     def __call__(self, x, rope, step, kv, fmt: KVFormat, page_size: int, backend=XLA):
+        _, q_nope, q_rope = self.queries(x, rope)
+        return self.attend(x, q_nope, q_rope, rope, step, kv, fmt, page_size, backend)
+
+    def attend(self, x, q_nope, q_rope, rope, step, kv, fmt: KVFormat, page_size: int, backend=XLA, select=None):
+        """Write the step's latent / rope key into their pages and attend over them.
+
+        select: None (every visible token) or bool [B, T, M*S], the context slots each query
+        may attend to besides causality (DeepSeek sparse attention's top-k choice).
+        """
         cfg = self.cfg
         cos, sin = rope
         nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        if cfg.q_lora_rank:
-            q = linear(self.q_a_norm(linear(x, self.q_a)), self.q_b)  # [B, T, H, qk_head_dim]
-        else:
-            q = linear(x, self.q_proj)
-        q_nope, q_rope = q[..., :nope], apply_rope(q[..., nope:], cos, sin, cfg.rope_interleave)
         ckv = linear(x, self.kv_a)  # [B, T, R + Dr]
         lat = self.kv_a_norm(ckv[..., :r])
         k_rope = apply_rope(ckv[..., r:], cos, sin, cfg.rope_interleave)
@@ -61,7 +78,11 @@ class MLAttention(nnx.Module):
             lambda w, h0, h1: jnp.einsum("bthn,rhn->bthr", q_nope[:, :, h0:h1], w[..., :nope]),
         ).astype(x.dtype)
         stored = paged.as_stored(fmt, lat, q_lat.dtype), paged.as_stored(fmt, k_rope, q_lat.dtype)
-        out_lat = backend.mla(q_lat, q_rope, kv, fmt, *stored, step, cfg.softmax_scale, page_size)
+        if select is None:
+            out_lat = backend.mla(q_lat, q_rope, kv, fmt, *stored, step, cfg.softmax_scale, page_size)
+        else:
+            out_lat = backend.mla_sparse(q_lat, q_rope, kv, fmt, *stored, step, select, cfg.softmax_scale,
+                                         page_size)
         out = head_columns(  # absorb W_uv
             self.kv_b, per_head,
             lambda w, h0, h1: jnp.einsum("bthr,rhv->bthv", out_lat[:, :, h0:h1], w[..., nope:]),
@@ -90,34 +111,40 @@ MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 
 
 def parse_config(raw: dict[str, Any]) -> ModelConfig:
-    common = parse_common(raw, ARCH)
+    return parse_mla_moe(raw, ARCH)
+
+
+def parse_mla_moe(raw: dict[str, Any], arch: str, **extra) -> ModelConfig:
+    """The MLA + DeepSeek-MoE fields (DeepSeek-V3, Kimi K2, GLM-5); ``extra`` adds fields."""
+    common = parse_common(raw, arch)
     if raw.get("attention_bias"):
-        raise ConfigError(f"{ARCH} with attention_bias=true is not supported")
+        raise ConfigError(f"{arch} with attention_bias=true is not supported")
     scoring = raw.get("scoring_func", "sigmoid")
     if scoring != "sigmoid":
-        raise ConfigError(f"{ARCH} scoring_func={scoring!r} is not supported (only sigmoid, as DeepSeek-V3/Kimi K2)")
+        raise ConfigError(f"{arch} scoring_func={scoring!r} is not supported (only sigmoid, as DeepSeek-V3/Kimi K2)")
     topk_method = raw.get("topk_method", "noaux_tc")
     if topk_method != "noaux_tc":
-        raise ConfigError(f"{ARCH} topk_method={topk_method!r} is not supported (only noaux_tc)")
+        raise ConfigError(f"{arch} topk_method={topk_method!r} is not supported (only noaux_tc)")
     n_group = raw.get("n_group") or 1
     return ModelConfig(
         **common,
         q_lora_rank=raw.get("q_lora_rank"),
-        kv_lora_rank=int(require(raw, "kv_lora_rank", ARCH)),
-        qk_rope_head_dim=int(require(raw, "qk_rope_head_dim", ARCH)),
-        qk_nope_head_dim=int(require(raw, "qk_nope_head_dim", ARCH)),
-        v_head_dim=int(require(raw, "v_head_dim", ARCH)),
+        kv_lora_rank=int(require(raw, "kv_lora_rank", arch)),
+        qk_rope_head_dim=int(require(raw, "qk_rope_head_dim", arch)),
+        qk_nope_head_dim=int(require(raw, "qk_nope_head_dim", arch)),
+        v_head_dim=int(require(raw, "v_head_dim", arch)),
         rope_interleave=bool(raw.get("rope_interleave", True)),
-        n_routed_experts=int(require(raw, "n_routed_experts", ARCH)),
+        n_routed_experts=int(require(raw, "n_routed_experts", arch)),
         n_shared_experts=int(raw.get("n_shared_experts") or 0),
-        num_experts_per_tok=int(require(raw, "num_experts_per_tok", ARCH)),
-        moe_intermediate_size=int(require(raw, "moe_intermediate_size", ARCH)),
+        num_experts_per_tok=int(require(raw, "num_experts_per_tok", arch)),
+        moe_intermediate_size=int(require(raw, "moe_intermediate_size", arch)),
         first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
         n_group=int(n_group),
         topk_group=int(raw.get("topk_group") or n_group),
         norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
         num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
+        **extra,
     )
 
 
@@ -126,26 +153,30 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
 
 def weight_map(cfg: ModelConfig) -> list[WeightSpec]:
     """Every parameter of ours with the HF tensors it is built from (explicit, no guessing)."""
-    h = cfg.num_attention_heads
     specs = CausalLM.common_weights(cfg)
     for i in range(cfg.num_hidden_layers):
-        hf, us = f"model.layers.{i}", f"layers/{i}"
-        a, ua = f"{hf}.self_attn", f"{us}/attn"
+        specs += mla_weights(cfg, i) + block_weights(cfg, i)
+    return specs
+
+
+def mla_weights(cfg: ModelConfig, i: int) -> list[WeightSpec]:
+    """Layer i's MLA projections and norms."""
+    h = cfg.num_attention_heads
+    a, ua = f"model.layers.{i}.self_attn", f"layers/{i}/attn"
+    specs = [
+        WeightSpec(f"{ua}/kv_a", (f"{a}.kv_a_proj_with_mqa.weight",), t),
+        WeightSpec(f"{ua}/kv_a_norm/scale", (f"{a}.kv_a_layernorm.weight",), keep),
+        WeightSpec(f"{ua}/kv_b", (f"{a}.kv_b_proj.weight",), lambda w: w.T.reshape(w.shape[1], h, -1)),
+        WeightSpec(f"{ua}/o", (f"{a}.o_proj.weight",), lambda w: w.T.reshape(h, -1, w.shape[0])),
+    ]
+    if cfg.q_lora_rank:
         specs += [
-            WeightSpec(f"{ua}/kv_a", (f"{a}.kv_a_proj_with_mqa.weight",), t),
-            WeightSpec(f"{ua}/kv_a_norm/scale", (f"{a}.kv_a_layernorm.weight",), keep),
-            WeightSpec(f"{ua}/kv_b", (f"{a}.kv_b_proj.weight",), lambda w: w.T.reshape(w.shape[1], h, -1)),
-            WeightSpec(f"{ua}/o", (f"{a}.o_proj.weight",), lambda w: w.T.reshape(h, -1, w.shape[0])),
+            WeightSpec(f"{ua}/q_a", (f"{a}.q_a_proj.weight",), t),
+            WeightSpec(f"{ua}/q_a_norm/scale", (f"{a}.q_a_layernorm.weight",), keep),
+            WeightSpec(f"{ua}/q_b", (f"{a}.q_b_proj.weight",), lambda w: w.T.reshape(w.shape[1], h, -1)),
         ]
-        if cfg.q_lora_rank:
-            specs += [
-                WeightSpec(f"{ua}/q_a", (f"{a}.q_a_proj.weight",), t),
-                WeightSpec(f"{ua}/q_a_norm/scale", (f"{a}.q_a_layernorm.weight",), keep),
-                WeightSpec(f"{ua}/q_b", (f"{a}.q_b_proj.weight",), lambda w: w.T.reshape(w.shape[1], h, -1)),
-            ]
-        else:
-            specs.append(WeightSpec(f"{ua}/q_proj", (f"{a}.q_proj.weight",), lambda w: w.T.reshape(w.shape[1], h, -1)))
-        specs += block_weights(cfg, i)
+    else:
+        specs.append(WeightSpec(f"{ua}/q_proj", (f"{a}.q_proj.weight",), lambda w: w.T.reshape(w.shape[1], h, -1)))
     return specs
 
 
