@@ -158,3 +158,9 @@ def build_glm_moe_dsa(path, seed: int = 0, **overrides):
     model = _randomise(model, seed)
     model.save_pretrained(path)
     return model
+
+
+def torch_logprobs(model, ids):
+    """float32 [T, vocab] log-probs of a transformers model over the token ids ``ids``."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1).numpy()

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_models import build_deepseek_v3
+from hf_models import build_deepseek_v3, torch_logprobs as ref_logprobs
 from jaxserve import LLM
 
 PROMPT = [int(x) for x in np.random.RandomState(0).randint(2, 256, size=21)]
@@ -22,11 +22,6 @@ def llm(ckpt):
     # float32 KV: the reference's own precision (every token attends to K/V as the cache stores
     # them, so a lossy format moves even a one-shot prefill's logprobs; measured below).
     return LLM(str(ckpt[0]), dtype="float32", kv_format="float32", num_pages=64, page_size=8)
-
-
-def ref_logprobs(model, ids):
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1).numpy()
 
 
 def test_config_exercises_the_hard_parts(llm):

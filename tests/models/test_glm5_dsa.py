@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_models import build_glm_moe_dsa
+from hf_models import build_glm_moe_dsa, torch_logprobs as ref_logprobs
 from jaxserve import LLM
 from jaxserve.config import ConfigError
 from jaxserve.kv.formats import get_kv_format
@@ -26,11 +26,6 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(ckpt):
     return LLM(str(ckpt[0]), dtype="float32", kv_format="float32", num_pages=64, page_size=8)
-
-
-def ref_logprobs(model, ids):
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1).numpy()
 
 
 def test_config_exercises_the_hard_parts(ckpt, llm):
