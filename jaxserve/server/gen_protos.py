@@ -1,6 +1,6 @@
 """Regenerate the Python gRPC stubs from ``protos/``: ``python -m jaxserve.server.gen_protos``.
 
-The proto lives at ``protos/jaxserve/v1/jaxserve.proto`` and is compiled with ``-I protos``,
+The protos live at ``protos/jaxserve/v1/{jaxserve,handoff}.proto`` and is compiled with ``-I protos``,
 so the generated modules land in ``jaxserve/v1/`` and import each other as
 ``from jaxserve.v1 import jaxserve_pb2``: the proto path mirrors the Python package, which
 is what makes the generated ``*_pb2_grpc.py`` imports resolve without sys.path edits.
@@ -16,8 +16,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PROTO_ROOT = REPO / "protos"
-PROTOS = ("jaxserve/v1/jaxserve.proto",)
-GENERATED = ("jaxserve_pb2.py", "jaxserve_pb2.pyi", "jaxserve_pb2_grpc.py")  # under jaxserve/v1/
+PROTOS = ("jaxserve/v1/jaxserve.proto", "jaxserve/v1/handoff.proto")
+GENERATED = tuple(  # under jaxserve/v1/
+    f"{stem}{suffix}" for stem in ("jaxserve", "handoff")
+    for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+)
 
 
 def generate(out: Path = REPO) -> list[Path]:
