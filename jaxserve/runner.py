@@ -26,12 +26,13 @@ from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, pad_updates
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.attention_backends import get_backend
 from jaxserve.models.step import StepInput
-from jaxserve.quant.linear import describe, resolve_backend, use_backend
+from jaxserve.quant.linear import describe, fixed_row_tiles, resolve_backend, use_backend
 from jaxserve.quant.phase import PhaseWeight, phase_states
 from jaxserve.sharding import MODEL_AXIS, Mesh, NamedSharding, PartitionSpec, replicated
 
 
 log = logging.getLogger("jaxserve.runner")
+BATCH_INVARIANT_ROWS = 8  # rows per matmul tile in batch-invariant mode (a row's numbers never see the batch)
 
 
 class RecompilationError(RuntimeError):
@@ -96,6 +97,7 @@ class ModelRunner:
         quantize_tied_head: bool = False,
         prefill_from_decode_weights: bool = False,
         strict: bool = False,
+        batch_invariant: bool = False,
     ):
         self.cfg = model.cfg
         self.fmt = fmt
@@ -123,6 +125,7 @@ class ModelRunner:
         self.params, self.treedef = self.phase_params["prefill"]
         self._jitted: dict = {}
         self.warm = False
+        self.row_tile = BATCH_INVARIANT_ROWS if batch_invariant else 0  # 0: whole-batch ops (faster)
         self.strict = strict  # a compilation after warm-up raises (else it is logged and counted)
         self.compiles_after_warmup = 0
 
@@ -172,12 +175,12 @@ class ModelRunner:
         backend = self.attention
         treedef = self.phase_params[phase][1]
 
-        matmuls = self.matmul_backend
+        matmuls, rows = self.matmul_backend, self.row_tile
 
         def forward(params, kv, inp: StepInput):
             # Quantized weights enter as stored; every matmul reads them through quant.linear.
             model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-            with use_backend(matmuls):
+            with use_backend(matmuls), fixed_row_tiles(rows):
                 return model(inp, kv, fmt, page_size, all_logits=all_logits, backend=backend)
 
         return forward

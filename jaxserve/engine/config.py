@@ -54,6 +54,9 @@ class EngineConfig:
                                                      "count for the KV format", type=str)
     memory_fraction: float | None = _field(None, "KV pool = this fraction of the memory free after loading (GPU: "
                                                  "device; CPU: available RAM)", type=float)
+    batch_invariant: bool = _field(False, "batch-invariant numerics: a request's log-probs are bitwise the same "
+                                          "whatever else is batched with it, at some speed cost (matmuls and "
+                                          "attention run over fixed row tiles)")
     keep_finished: int = _field(1024, "finished requests the engine keeps answering completion(id) for (a server "
                                       "needs none: each request's last output carries its completion)", cli=False)
     strict_compiles: bool = _field(

@@ -62,6 +62,7 @@ class LLMEngine:
             attention_backend=config.attention_backend or default_attention_backend(),
             matmul_backend=config.matmul_backend, quantize_tied_head=config.quantize_tied_head,
             prefill_from_decode_weights=config.prefill_from_decode_weights, strict=config.strict_compiles,
+            batch_invariant=config.batch_invariant,
         )
         # Prefill programs: rows in powers of two, tokens in token_buckets (compiled at warm-up).
         self.prefill_token_buckets = token_buckets(16, min(config.prefill_chunk, config.max_num_batched_tokens))
@@ -246,7 +247,7 @@ class LLMEngine:
     def _sample(self, logits, rows: list[tuple[int, Sequence]], events) -> None:
         if not rows:
             return
-        tokens, lp, top_ids, top_lp, n_lp = sample_sequences(logits, rows, self.cfg.vocab_size)
+        tokens, lp, top_ids, top_lp, n_lp = sample_sequences(logits, rows, self.cfg.vocab_size, self.config.batch_invariant)
         now = time.perf_counter()
         for j, (_, s) in enumerate(rows):
             if s.finished:
@@ -280,7 +281,7 @@ class LLMEngine:
                 f32, i32 = np.zeros(n, np.float32), np.zeros(n, np.int32)
                 for greedy in (True, False):
                     sample_rows(np.zeros((rows, v), np.float32), i32, f32, i32, np.ones(n, np.float32), f32, i32, i32,
-                                all_greedy=greedy, penalties=False, num_logprobs=0)
+                                all_greedy=greedy, penalties=False, num_logprobs=0, per_row=c.batch_invariant)
 
     def mark_warm(self) -> None:
         """Count every later compilation of a serving program (after a warm-up of one's own

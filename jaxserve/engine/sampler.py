@@ -68,20 +68,32 @@ def _kept_draw(scaled, noise, top_k, top_p, min_p, lse_all, c: int):
     return token.astype(jnp.int32), proven
 
 
-@functools.partial(jax.jit, static_argnames=("all_greedy", "penalties", "num_logprobs", "num_candidates"))
+@functools.partial(jax.jit, static_argnames=("all_greedy", "penalties", "num_logprobs", "num_candidates", "per_row"))
 def sample_rows(
     logits, rows, temperature, top_k, top_p, min_p, seeds, steps,
     counts=None, seen=None, repetition=None, presence=None, frequency=None,
     *, all_greedy: bool, penalties: bool, num_logprobs: int, num_candidates: int = NUM_CANDIDATES,
+    per_row: bool = False,
 ):
     """logits f32 [L, V] (a program's output); rows int32 [B]: which logits row each sample
     uses; per-row temperature/top_p/min_p f32 [B], top_k/seeds/steps int32 [B];
     counts int32 [B, V] (generated-token counts), seen bool [B, V] (prompt or generated),
-    repetition/presence/frequency f32 [B] (only with penalties=True).
+    repetition/presence/frequency f32 [B] (only with penalties=True). ``per_row``: one row at
+    a time (batch-invariant log-probs: a [B, V] reduction's last bits depend on B).
 
     -> tokens int32 [B], logprob f32 [B], top_ids int32 [B, n], top_logprobs f32 [B, n].
     """
-    logits = logits[rows]
+    batch = functools.partial(_sample_batch, all_greedy=all_greedy, penalties=penalties,
+                              num_logprobs=num_logprobs, num_candidates=num_candidates)
+    args = (logits[rows], temperature, top_k, top_p, min_p, seeds, steps, counts, seen, repetition, presence, frequency)
+    if not per_row:
+        return batch(*args)
+    one = lambda a: jax.tree.map(lambda x: x[0], batch(*jax.tree.map(lambda x: x[None], a)))  # noqa: E731
+    return jax.lax.map(one, args)
+
+
+def _sample_batch(logits, temperature, top_k, top_p, min_p, seeds, steps, counts, seen, repetition, presence,
+                  frequency, *, all_greedy: bool, penalties: bool, num_logprobs: int, num_candidates: int):
     raw_lp = jax.nn.log_softmax(logits, axis=-1)
     x = logits
     if penalties:
@@ -119,9 +131,10 @@ def sample_rows(
     return tokens, logprob, top_ids.astype(jnp.int32), top_lp
 
 
-def sample_sequences(logits, rows, vocab_size: int):
+def sample_sequences(logits, rows, vocab_size: int, per_row: bool = False):
     """Sample one token for each (logits row index, Sequence) in ``rows`` with its own
-    parameters; -> numpy (tokens, logprobs, top ids, top logprobs, top-n bucket)."""
+    parameters (``per_row``: batch-invariant, see sample_rows); -> numpy (tokens, logprobs,
+    top ids, top logprobs, top-n bucket)."""
     b = _bucket(len(rows))
     idx = np.zeros((b,), np.int32)
     temp, top_p, min_p = np.zeros(b, np.float32), np.ones(b, np.float32), np.zeros(b, np.float32)
@@ -136,7 +149,8 @@ def sample_sequences(logits, rows, vocab_size: int):
     n_lp = max((s.params.logprobs or 0) for _, s in rows)
     n_lp = 0 if n_lp == 0 and all(s.params.logprobs is None for _, s in rows) else _bucket(max(n_lp, 1))
     out = sample_rows(logits, idx, temp, top_k, top_p, min_p, seeds, steps, **extra,
-                      all_greedy=all(s.params.greedy for _, s in rows), penalties=penalties, num_logprobs=n_lp)
+                      all_greedy=all(s.params.greedy for _, s in rows), penalties=penalties, num_logprobs=n_lp,
+                      per_row=per_row)
     return (*map(np.asarray, out), n_lp)
 
 

@@ -24,23 +24,62 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+
 from jaxserve.models import attention, attention_pallas
+from jaxserve.quant.linear import row_tile
+
+# Queries per attention tile in batch-invariant mode: every prefill bucket is a multiple.
+QUERY_TILE = 16
+
+
+def by_query_tiles(fn, queries, step, select=None):
+    """``fn(*queries, step, select)``, in batch-invariant mode (``quant.linear.fixed_row_tiles``)
+    one row and up to QUERY_TILE queries at a time, so every attention dot and softmax
+    reduction has one shape whatever the batch size or chunk bucket; else one call.
+    queries [B, T, ...]; select None or [B, T, S]."""
+    if not row_tile():
+        return fn(*queries, step, select)
+    b, t = queries[0].shape[:2]
+    qt = min(t, QUERY_TILE)
+    if t % qt:
+        raise ValueError(f"batch-invariant attention needs a multiple of {QUERY_TILE} queries, got {t}")
+    nt = t // qt
+    grid = lambda a: a.reshape(b * nt, 1, qt, *a.shape[2:])  # noqa: E731  (row, tile) major
+
+    def one(args):
+        offset, row, qs, sel = args
+        # Queries [offset, offset + qt) of one row: the same positions, the same keys.
+        tile_step = dataclasses.replace(
+            step, tokens=jnp.zeros((1, qt), jnp.int32), page_table=step.page_table[row][None],
+            cached_lens=step.cached_lens[row][None] + offset, new_lens=step.new_lens[row][None] - offset)
+        return fn(*qs, tile_step, sel)
+
+    offsets = jnp.tile(jnp.arange(nt, dtype=jnp.int32) * qt, b)
+    rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), nt)
+    sel = None if select is None else grid(select)
+    out = jax.lax.map(one, (offsets, rows, tuple(grid(q) for q in queries), sel))
+    return out.reshape(b, t, *out.shape[3:])
 
 
 class XlaAttention:
     name = "xla"
 
     def mla(self, q_lat, q_rope, kv, fmt, new_lat, new_rope, step, scale: float, page_size: int):
-        return attention.mla_attention_paged(q_lat, q_rope, kv, fmt, step.page_table, step.cached_lens,
-                                             step.new_lens, scale, page_size)
+        return self.mla_sparse(q_lat, q_rope, kv, fmt, new_lat, new_rope, step, None, scale, page_size)
 
     def mla_sparse(self, q_lat, q_rope, kv, fmt, new_lat, new_rope, step, select, scale: float, page_size: int):
-        return attention.mla_attention_paged(q_lat, q_rope, kv, fmt, step.page_table, step.cached_lens,
-                                             step.new_lens, scale, page_size, select=select)
+        return by_query_tiles(
+            lambda ql, qr, st, sel: attention.mla_attention_paged(
+                ql, qr, kv, fmt, st.page_table, st.cached_lens, st.new_lens, scale, page_size, select=sel),
+            (q_lat, q_rope), step, select)
 
     def gqa(self, q, kv, fmt, new_k, new_v, step, scale: float, page_size: int):
-        return attention.gqa_attention_paged(q, kv, fmt, step.page_table, step.cached_lens, step.new_lens,
-                                             scale, page_size)
+        return by_query_tiles(
+            lambda qt, st, _: attention.gqa_attention_paged(qt, kv, fmt, st.page_table, st.cached_lens, st.new_lens,
+                                                            scale, page_size),
+            (q,), step)
 
 
 @dataclasses.dataclass(frozen=True)

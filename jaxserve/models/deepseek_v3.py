@@ -18,7 +18,7 @@ from jaxserve.kv.formats import KVFormat
 from jaxserve.models.attention_backends import XLA
 from jaxserve.models.base import CausalLM, DecoderLayer, WeightSpec, keep, block_weights, skip_mtp_layers, t
 from jaxserve.models.layers import RMSNorm, apply_rope, param
-from jaxserve.quant.linear import head_columns, linear
+from jaxserve.quant.linear import by_row_tiles, head_columns, linear
 
 
 class MLAttention(nnx.Module):
@@ -72,22 +72,24 @@ class MLAttention(nnx.Module):
         page, off = paged.token_slots(step.page_table, step.positions, step.valid, page_size, num_pages)
         kv = paged.store(fmt, kv, "latent", lat, page, off)
         kv = paged.store(fmt, kv, "rope", k_rope, page, off)
-        per_head = nope + cfg.v_head_dim  # kv_b [R, H, nope + v]: W_uk then W_uv per head
-        q_lat = head_columns(  # absorb W_uk
-            self.kv_b, per_head,
-            lambda w, h0, h1: jnp.einsum("bthn,rhn->bthr", q_nope[:, :, h0:h1], w[..., :nope]),
-        ).astype(x.dtype)
+        q_lat = self._absorb(q_nope, lambda q, w: jnp.einsum("mhn,rhn->mhr", q, w[..., :nope])).astype(x.dtype)
         stored = paged.as_stored(fmt, lat, q_lat.dtype), paged.as_stored(fmt, k_rope, q_lat.dtype)
         if select is None:
             out_lat = backend.mla(q_lat, q_rope, kv, fmt, *stored, step, cfg.softmax_scale, page_size)
         else:
             out_lat = backend.mla_sparse(q_lat, q_rope, kv, fmt, *stored, step, select, cfg.softmax_scale,
                                          page_size)
-        out = head_columns(  # absorb W_uv
-            self.kv_b, per_head,
-            lambda w, h0, h1: jnp.einsum("bthr,rhv->bthv", out_lat[:, :, h0:h1], w[..., nope:]),
-        ).astype(x.dtype)
+        out = self._absorb(out_lat, lambda o, w: jnp.einsum("mhr,rhv->mhv", o, w[..., nope:])).astype(x.dtype)
         return linear(out, self.o, contract=2), kv
+
+    def _absorb(self, x, dot):
+        """x [B, T, H, X] . kv_b's per-head W_uk or W_uv (``dot(x_rows [M, h, X], w [R, h, nope + v])``)
+        -> [B, T, H, Y]; over fixed token tiles in batch-invariant mode, like every matmul."""
+        b, t, h, _ = x.shape
+        per_head = self.cfg.qk_nope_head_dim + self.cfg.v_head_dim  # kv_b [R, H, nope + v]
+        rows = lambda xr: head_columns(self.kv_b, per_head, lambda w, h0, h1: dot(xr[:, h0:h1], w))  # noqa: E731
+        y = by_row_tiles(rows, x.reshape(b * t, h, x.shape[-1]))
+        return y.reshape(b, t, h, y.shape[-1])
 
     def init_kv(self, num_pages: int, page_size: int, fmt: KVFormat) -> dict:
         cfg = self.cfg

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig, RopeConfig
-from jaxserve.quant.linear import expert_linear, linear
+from jaxserve.quant.linear import by_row_tiles, expert_linear, linear
 
 
 def param(rngs: nnx.Rngs, shape, axes, dtype, init: str = "normal") -> nnx.Param:
@@ -35,6 +35,10 @@ class RMSNorm(nnx.Module):
         self.scale = param(rngs, (dim,), (None,), dtype, "ones")
 
     def __call__(self, x):
+        # Row tiles in batch-invariant mode: a row reduction's last bits depend on the row count.
+        return by_row_tiles(self._norm, x.reshape(-1, x.shape[-1])).reshape(x.shape)
+
+    def _norm(self, x):
         # Normalise in float32 and cast back before the scale, as the reference does.
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
@@ -93,7 +97,7 @@ class MoE(nnx.Module):
         cfg = self.cfg
         n = x.shape[0]
         e, g = cfg.n_routed_experts, cfg.n_group
-        scores = jax.nn.sigmoid(x.astype(jnp.float32) @ self.router[...])  # [N, E]
+        scores = jax.nn.sigmoid(linear(x.astype(jnp.float32), self.router[...], out_dtype=jnp.float32))  # [N, E]
         choice = scores + self.router_bias[...]
         if g > 1:
             grouped = choice.reshape(n, g, e // g)
@@ -123,7 +127,7 @@ class MoE(nnx.Module):
     def __call__(self, x):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, experts = self.route(flat)
+        weights, experts = by_row_tiles(self.route, flat)
         out = self.experts(flat, weights, experts)
         if self.shared is not None:
             out = out + self.shared(flat)

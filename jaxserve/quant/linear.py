@@ -39,6 +39,7 @@ from jaxserve.quant.qweight import QuantizedWeight
 
 BACKENDS = ("auto", "cpu", "gpu", "interpret")
 _BACKEND = contextvars.ContextVar("jaxserve_linear_backend", default="auto")
+_ROW_TILE = contextvars.ContextVar("jaxserve_linear_row_tile", default=0)
 
 
 def resolve_backend(name: str = "auto") -> str:
@@ -58,6 +59,56 @@ def use_backend(name: str):
         yield
     finally:
         _BACKEND.reset(token)
+
+
+@contextlib.contextmanager
+def fixed_row_tiles(rows: int):
+    """Trace the matmuls inside as a loop over tiles of ``rows`` rows (0: off), so every dot
+    has one shape whatever the batch: a row's result then does not depend on how many other
+    rows the program carries (XLA:CPU's dot kernels block by shape, and a row's last bits
+    change with the row count). Batch-invariant numerics at the cost of a loop per matmul."""
+    token = _ROW_TILE.set(int(rows))
+    try:
+        yield
+    finally:
+        _ROW_TILE.reset(token)
+
+
+def row_tile() -> int:
+    """The current fixed row tile (0: matmuls see the whole batch)."""
+    return _ROW_TILE.get()
+
+
+def by_row_tiles(fn, x: jax.Array, *extra: jax.Array) -> jax.Array:
+    """``fn(x_tile, *extra_tiles)`` over fixed tiles of x's rows (axis 0) when a row tile is
+    set, else ``fn(x, *extra)``. ``fn`` must treat rows independently; ``extra`` arrays are
+    tiled along axis 0 with x; ``fn`` may return a pytree of arrays with rows on axis 0."""
+    t = _ROW_TILE.get()
+    if not t:
+        return fn(x, *extra)
+    m = x.shape[0]
+    n = -(-m // t)
+    pad = lambda a: jnp.pad(a, [(0, n * t - m)] + [(0, 0)] * (a.ndim - 1)).reshape(n, t, *a.shape[1:])  # noqa: E731
+    y = jax.lax.map(lambda args: fn(*args), (pad(x), *(pad(a) for a in extra)))
+    return jax.tree.map(lambda a: a.reshape(n * t, *a.shape[2:])[:m], y)
+
+
+def ragged_by_row_tiles(fn, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """``fn(rows, group_sizes)`` for rows sorted by group, over fixed row tiles when a row tile
+    is set: each tile gets the part of every group that falls inside it."""
+    group_sizes = group_sizes.astype(jnp.int32)
+    t = _ROW_TILE.get()
+    if not t:
+        return fn(x, group_sizes)
+    m = x.shape[0]
+    n = -(-m // t)
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    lo = jnp.arange(n, dtype=jnp.int32)[:, None] * t
+    sizes = jnp.clip(jnp.minimum(ends[None], lo + t) - jnp.maximum(starts[None], lo), 0)  # [n, E]
+    tiles = jnp.pad(x, ((0, n * t - m), (0, 0))).reshape(n, t, x.shape[1])
+    y = jax.lax.map(lambda a: fn(*a), (tiles, sizes.astype(jnp.int32)))
+    return y.reshape(n * t, -1)[:m]
 
 
 def current_backend() -> str:
@@ -99,7 +150,8 @@ def matmul(x: jax.Array, qw: QuantizedWeight, out_dtype=None, backend: str | Non
     if x.shape[-1] != k:
         raise ValueError(f"matmul: x has {x.shape[-1]} input features, the weight {k}")
     lead = x.shape[:-1]
-    y = path_for(qw.format, backend).dense(x.reshape(-1, k), qw)
+    path = path_for(qw.format, backend)
+    y = by_row_tiles(lambda rows: path.dense(rows, qw), x.reshape(-1, k))
     return y.reshape(*lead, n).astype(out_dtype or x.dtype)
 
 
@@ -110,7 +162,8 @@ def ragged_matmul(x: jax.Array, qw: QuantizedWeight, group_sizes: jax.Array, out
     Rows past sum(group_sizes) come out as zeros (lax.ragged_dot semantics)."""
     if len(qw.shape) != 3:
         raise ValueError(f"ragged_matmul takes stacked experts [E, K, N], got shape {qw.shape}")
-    y = path_for(qw.format, backend).ragged(x, qw, group_sizes.astype(jnp.int32))
+    path = path_for(qw.format, backend)
+    y = ragged_by_row_tiles(lambda r, sizes: path.ragged(r, qw, sizes), x, group_sizes)
     return y.astype(out_dtype or x.dtype)
 
 
@@ -122,10 +175,11 @@ def linear(x: jax.Array, w, contract: int = 1, out_dtype=None) -> jax.Array:
     qw, shape, dense = _split(w)
     lead = x.shape[: x.ndim - contract]
     out_shape = shape[contract:]
-    if qw is None:
-        y = jnp.tensordot(x, dense, axes=contract, preferred_element_type=jnp.float32)
-        return y.astype(out_dtype or x.dtype)
     k = math.prod(shape[:contract])
+    if qw is None:
+        rows = x.reshape(-1, k)
+        y = by_row_tiles(lambda r: jnp.dot(r, dense.reshape(k, -1), preferred_element_type=jnp.float32), rows)
+        return y.reshape(*lead, *out_shape).astype(out_dtype or x.dtype)
     if qw.shape != (k, math.prod(out_shape)):
         raise ValueError(f"linear: weight stored as {qw.shape} cannot serve {shape} contracted over {contract} dims")
     y = matmul(x.reshape(*lead, k), qw, out_dtype=jnp.float32)
@@ -146,7 +200,9 @@ def tied_head(x: jax.Array, w) -> jax.Array:
     """Logits from a tied table: x [..., D] . table[V, D]^T -> f32 [..., V]."""
     w = _value(w)
     if getattr(w, "qw", None) is None:
-        return jnp.dot(x, w.T, preferred_element_type=jnp.float32)
+        rows = x.reshape(-1, x.shape[-1])
+        y = by_row_tiles(lambda r: jnp.dot(r, w.T, preferred_element_type=jnp.float32), rows)
+        return y.reshape(*x.shape[:-1], -1)
     return matmul(x, w.qw, out_dtype=jnp.float32)
 
 
@@ -154,7 +210,8 @@ def expert_linear(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
     """Routed experts: x [M, K] sorted by expert, w [E, K, N] -> [M, N] in x's dtype."""
     qw, _, dense = _split(w)
     if qw is None:
-        return jax.lax.ragged_dot(x, dense, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+        dot = lambda r, sizes: jax.lax.ragged_dot(r, dense, sizes, preferred_element_type=jnp.float32)  # noqa: E731
+        return ragged_by_row_tiles(dot, x, group_sizes).astype(x.dtype)
     return ragged_matmul(x, qw, group_sizes)
 
 

@@ -122,7 +122,7 @@ def _ragged(x, w, sizes, acc=jnp.float32):
 
 def _channel_scale_rows(qw: QuantizedWeight, sizes, rows: int) -> jax.Array:
     """Per-channel scales [E, 1, N] -> each sorted row's expert's scales [rows, N]."""
-    return qw.scales[expert_of_row(sizes, rows), 0, :]
+    return jnp.asarray(qw.scales)[expert_of_row(sizes, rows), 0, :]
 
 
 # ----------------------------------------------------------------------------- cpu

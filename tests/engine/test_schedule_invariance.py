@@ -10,7 +10,11 @@ prefill chunks, one-row decode), the results must be bitwise equal. Across batch
 chunk buckets they cannot be on XLA:CPU: one row's matmul result depends on how many rows the
 matmul has (the dot kernels block by shape), so a token may differ in its last float32 bit,
 and where such a difference crosses a bf16/fp8 rounding boundary of one stored value, later
-log-probs move by up to ~1e-4. There the greedy tokens must match and log-probs stay close."""
+log-probs move by up to ~1e-4. There the greedy tokens must match and log-probs stay close.
+
+With ``batch_invariant=True`` every matmul, norm, router, attention read and the sampler's
+softmax run over fixed row / query tiles, so every op has one shape whatever the batch: then
+the log-probs must be bitwise equal across batch sizes and chunk buckets too."""
 import numpy as np
 import pytest
 
@@ -72,3 +76,19 @@ def test_outputs_do_not_depend_on_the_schedule(model, kv_format, tiny_ckpt, requ
     mixed = OTHERS[:5] + PROMPTS[:1] + OTHERS[5:9] + PROMPTS[1:] + OTHERS[9:]
     out, _ = _run(batched, mixed)
     _assert_same([out[mixed.index(p)] for p in PROMPTS], alone, "batch of 16", CLOSE)
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("model", ["mla", "gqa"])
+def test_batch_invariant_mode_is_bitwise_across_batches_and_buckets(model, kv_format, tiny_ckpt, request):
+    ckpt = tiny_ckpt if model == "mla" else request.getfixturevalue("glm_ckpt")
+    one_row = LLM(ckpt, kv_format=kv_format, prefill_chunk=16, max_num_batched_tokens=16, max_prefill_seqs=1,
+                  batch_invariant=True, **KW)
+    alone, _ = _alone(one_row, PROMPTS)
+    _assert_same(_alone(one_row, PROMPTS)[0], alone, "prefix-cache hit")
+    batched = LLM(ckpt, kv_format=kv_format, prefill_chunk=64, max_num_batched_tokens=64, max_prefill_seqs=4,
+                  enable_prefix_caching=False, batch_invariant=True, **KW)
+    _assert_same(_alone(batched, PROMPTS)[0], alone, "one chunk")
+    mixed = OTHERS[:5] + PROMPTS[:1] + OTHERS[5:9] + PROMPTS[1:] + OTHERS[9:]
+    out, _ = _run(batched, mixed)
+    _assert_same([out[mixed.index(p)] for p in PROMPTS], alone, "batch of 16")
