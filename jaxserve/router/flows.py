@@ -180,9 +180,10 @@ class Dispatcher:
                 with Attempt(worker) as attempt:
                     route.attempt = attempt
                     async for msg in relay_stream(attempt, worker.handoff.Decode(dreq, **self.call_kw(route)), route):
-                        if tokens == 0:
+                        if t0 is not None:
                             self.metrics.handoff_seconds.labels("decode").observe(time.perf_counter() - t0)
-                        tokens += max(len(msg.delta.token_ids), 1)
+                            t0 = None
+                        tokens += len(msg.delta.token_ids)
                         yield msg
             except WorkerError as e:
                 self._failed(worker, e)
