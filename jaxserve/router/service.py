@@ -198,7 +198,9 @@ class RouterService(pb_grpc.JaxServeServicer):
         metadata = self.dispatcher.worker_metadata or tuple(
             (k, v) for k, v in (context.invocation_metadata() or ()) if k in FORWARDED_HEADERS) or None
         while True:
-            workers = [w for role in self._roles() for w in self.pool.alive(role) if w not in tried]
+            # The first role with a live worker: decode workers answer for a disaggregated pool.
+            workers = next((ws for ws in ([w for w in self.pool.alive(role) if w not in tried]
+                                          for role in self._roles()) if ws), [])
             if not workers:
                 raise last.to_serve_error() if last is not None else no_worker("")
             worker = two_choices(workers, Worker.load)
