@@ -59,7 +59,8 @@ class Router:
         self.metrics = RouterMetrics()
         worker_md = (("authorization", f"Bearer {worker_api_key}"),) if worker_api_key else ()
         self.pool = WorkerPool(workers, health_interval_s, health_timeout_s, unhealthy_after, metadata=worker_md,
-                               on_change=self._worker_changed)
+                               on_change=self._worker_changed,
+                               on_check_failed=lambda w: self.metrics.health_failures.labels(w.address).inc())
         self.policy = RoutingPolicy(self.pool, prefix_entries, session_ttl_s)
         self.dispatcher = Dispatcher(self.pool, self.policy, self.metrics, worker_md)
         self.service = RouterService(self.dispatcher, self.metrics, self.keys, max_id_length, self.limits)

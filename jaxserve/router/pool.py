@@ -94,10 +94,12 @@ class Worker:
 
 class WorkerPool:
     """The workers and their health loop (event loop only). on_change(worker) runs after a
-    worker goes up or down; metadata is sent with GetModelInfo (a worker's API key)."""
+    worker goes up or down, on_check_failed(worker) after each failed check; metadata is sent
+    with GetModelInfo (a worker's API key)."""
 
     def __init__(self, workers: Sequence[tuple[str, str]], interval_s: float = 1.0, timeout_s: float = 1.0,
-                 unhealthy_after: int = 2, metadata: tuple = (), on_change: Callable | None = None):
+                 unhealthy_after: int = 2, metadata: tuple = (), on_change: Callable | None = None,
+                 on_check_failed: Callable | None = None):
         if interval_s <= 0 or timeout_s <= 0 or unhealthy_after < 1:
             raise ValueError("health interval and timeout must be > 0 and unhealthy_after >= 1")
         seen = set()
@@ -109,6 +111,7 @@ class WorkerPool:
         self.interval_s, self.timeout_s, self.unhealthy_after = interval_s, timeout_s, unhealthy_after
         self.metadata = tuple(metadata) or None
         self.on_change = on_change or (lambda worker: None)
+        self.on_check_failed = on_check_failed or (lambda worker: None)
         self._task: asyncio.Task | None = None
         self._probes: dict[str, asyncio.Task] = {}
 
@@ -142,13 +145,16 @@ class WorkerPool:
         try:
             resp = await worker.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.timeout_s)
             ok = resp.status == _SERVING
-            if ok:
-                worker.info = await worker.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout_s,
-                                                             metadata=self.metadata)
         except grpc.RpcError:
             ok = False
-        except asyncio.CancelledError:
-            raise
+        if ok:
+            try:  # best effort: a worker whose GetModelInfo needs a key we lack is still up
+                worker.info = await worker.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout_s,
+                                                             metadata=self.metadata)
+            except grpc.RpcError as e:
+                log.debug("GetModelInfo on %s failed: %s", worker.address, e.code())
+        else:
+            self.on_check_failed(worker)
         if ok:
             worker.failures = 0
             if not worker.up:

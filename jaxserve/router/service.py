@@ -127,6 +127,11 @@ class RouterService(pb_grpc.JaxServeServicer):
         except asyncio.CancelledError:
             outcome = self._cancel_outcome(context)
             raise
+        except Exception as e:
+            log.exception("Generate failed")
+            self._finish(route, "Generate", "internal")
+            route = None
+            await context.abort(grpc.StatusCode.INTERNAL, errors.internal(e).message)
         finally:
             if events is not None:
                 await events.aclose()
@@ -172,6 +177,11 @@ class RouterService(pb_grpc.JaxServeServicer):
             outcome = "unread_timeout"
             context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
             context.set_details(f"no stream event read for {self.limits.stream_idle_timeout_s:g}s; cancelled")
+        except Exception as e:
+            log.exception("GenerateStream failed")
+            self._finish(route, "GenerateStream", "internal")
+            route = None
+            await context.abort(grpc.StatusCode.INTERNAL, errors.internal(e).message)
         finally:
             self.slots.release(peer)
             if events is not None:

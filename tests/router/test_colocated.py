@@ -104,6 +104,7 @@ def test_hung_worker_taken_out_request_moved_and_re_added(fake_loop):
         assert time.monotonic() - t0 < 5 and len(b.calls) == 1
         assert health(rt.target, f"worker/{a.address}") == "NOT_SERVING" and health(rt.target) == "SERVING"
         assert metric(rt, "jaxserve_router_worker_up", worker=a.address, role="both") == 0
+        assert metric(rt, "jaxserve_router_health_check_failures_total", worker=a.address) >= 1
         a.sw.hang_after_tokens = None
         fake_loop.run(a.set_serving(True))
         assert eventually(lambda: health(rt.target, f"worker/{a.address}") == "SERVING")
