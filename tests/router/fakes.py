@@ -45,6 +45,7 @@ class Switches:
     die_after_tokens: int | None = None  # UNAVAILABLE after this many tokens
     hang_after_tokens: int | None = None  # stop sending (the call stays open) after this many
     token_delay_s: float = 0.0
+    delta_text_bytes: int = 0  # pad each delta's text to this size (to fill flow-control windows)
     fail_prefill: grpc.StatusCode | None = None
     prefill_delay_s: float = 0.0
     kv_free: int = 64  # of 64 pages, reported in GetModelInfo (the router's load signal)
@@ -131,7 +132,8 @@ class FakeWorker(pb_grpc.JaxServeServicer, hgrpc.KvHandoffServicer):
                     reason = pb.FINISH_REASON_ABORT
                     break
                 await asyncio.sleep(sw.token_delay_s)
-                yield pb.GenerateStreamResponse(delta=pb.TokenDelta(token_ids=[t], text=f"<{t}>"))
+                text = f"<{t}>".ljust(sw.delta_text_bytes, ".")
+                yield pb.GenerateStreamResponse(delta=pb.TokenDelta(token_ids=[t], text=text))
             usage = pb.Usage(prompt_tokens=n_prompt, completion_tokens=len(tokens), cached_tokens=cached)
             yield pb.GenerateStreamResponse(end=pb.StreamEnd(finish_reason=reason, usage=usage))
         except (asyncio.CancelledError, GeneratorExit):

@@ -169,3 +169,17 @@ def test_abort_goes_where_the_request_runs_and_cancel_propagates(fake_loop):
         assert eventually(lambda: any("to-cancel" in f.cancelled for f in fakes.values()))
         assert eventually(lambda: not rt.router.service.active)
         assert eventually(lambda: all(w.in_flight == 0 for w in rt.router.pool.workers))
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_its_worker_call_cancelled(fake_loop):
+    from jaxserve.server.limits import ServeLimits
+
+    with routed(fake_loop, BOTH, limits=ServeLimits(stream_idle_timeout_s=0.5)) as (rt, client, fakes):
+        for f in fakes.values():
+            f.sw.delta_text_bytes = 64 << 10
+        it = client.generate_stream(PROMPT, max_tokens=2000, request_id="sleepy")
+        assert next(it).WhichOneof("event") == "start"  # then reads nothing more
+        assert eventually(lambda: any("sleepy" in f.cancelled for f in fakes.values()), timeout=10)
+        assert eventually(lambda: not rt.router.service.active)
+        assert metric(rt, "jaxserve_requests_total", rpc="GenerateStream", outcome="unread_timeout") == 1
+        it.cancel()
