@@ -50,6 +50,17 @@ def test_shared_prefix_lands_where_it_is_cached(fake_loop):
             r = client.generate(PROMPT + [k, k], max_tokens=2)
             assert r.usage.cached_tokens == 20, (k, r.usage)
         assert len(holder.calls) == 7 and first.usage.cached_tokens == 0
+        # While a request is still generating, its prompt's pages already attract the next one.
+        for f in fakes.values():
+            f.sw.token_delay_s = 0.05
+        other = [500 + i for i in range(21)]
+        running = client.generate_stream(other, max_tokens=40)
+        assert [next(running).WhichOneof("event") for _ in range(2)] == ["start", "delta"]
+        for k in range(4):
+            assert client.generate(other + [k], max_tokens=1).usage.cached_tokens == 20
+        running.cancel()
+        for f in fakes.values():
+            f.sw.token_delay_s = 0.0
         text = "a prompt shared by many requests, long enough for pages"
         client.generate(text, max_tokens=1)
         text_holder = next(f for f in fakes.values() if f.calls and f.calls[-1][0] == "GenerateStream"
