@@ -93,6 +93,8 @@ class Dispatcher:
                     route.attempt = attempt
                     call = worker.stub.GenerateStream(req, **self.call_kw(route))
                     async for msg in relay_stream(attempt, call, route):
+                        if not generated and msg.delta.token_ids:  # prefilled: its pages are cached now
+                            self.policy.record(worker, ids)
                         generated += msg.delta.token_ids
                         yield msg
             except WorkerError as e:
