@@ -3,6 +3,7 @@ router's answers are the worker's (tokens, texts, errors), a session keeps its w
 prefix goes where it is cached, and a killed worker is taken out while requests keep succeeding.
 The tests run in order: the last one kills a worker."""
 import re
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -109,6 +110,24 @@ def test_a_shared_prefix_lands_where_it_is_cached(cluster):
         assert replica == where and resp.usage.cached_tokens == 40, (k, resp.usage)
 
 
+def test_abort_and_cancel_reach_the_worker_and_free_its_pages(cluster):
+    client, direct = cluster["client"], cluster["direct"]
+
+    def pages_used():
+        return sum(c.model_info().kv_pages.used for c in direct)
+
+    it = client.generate_stream(IDS_A, max_tokens=200, ignore_eos=True, request_id="via-router")
+    assert [next(it).WhichOneof("event") for _ in range(2)] == ["start", "delta"]
+    assert pages_used() > 0
+    r = client.abort("via-router", "never-ran")
+    assert list(r.aborted) == ["via-router"] and list(r.not_found) == ["never-ran"]
+    assert finish_reason(list(it)[-1].end) == "abort"
+    it = client.generate_stream(IDS_A, max_tokens=200, ignore_eos=True)
+    assert [next(it).WhichOneof("event") for _ in range(2)] == ["start", "delta"]
+    it.cancel()
+    assert eventually(lambda: pages_used() == 0)
+
+
 def test_a_killed_worker_is_taken_out_and_requests_keep_succeeding(cluster):
     client, (a, b) = cluster["client"], cluster["addresses"]
     victim = cluster["workers"][1]
@@ -129,3 +148,10 @@ def test_a_killed_worker_is_taken_out_and_requests_keep_succeeding(cluster):
     assert eventually(lambda: client.health(f"worker/{b}") == "NOT_SERVING", timeout=10)
     assert client.health(f"worker/{a}") == "SERVING" and client.health() == "SERVING"
     assert "is down" in cluster["router"].wait_for("is down", timeout=10)
+
+
+def test_the_router_drains_and_exits_0_on_sigterm(cluster):
+    router = cluster["router"]
+    router.proc.send_signal(signal.SIGTERM)
+    assert router.wait(timeout=15) == 0
+    assert "jaxserve: stopped" in router.output and "Traceback" not in router.output
