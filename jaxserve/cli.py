@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from jaxserve.bench.offline import register as add_bench
     from jaxserve.experiments.cli import register as add_experiment
+    from jaxserve.router.cli import register_route
     from jaxserve.server.cli import register_client, register_serve
 
     add_bench(sub)
@@ -110,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan(sub)
     add_convert(sub)
     register_serve(sub)
+    register_route(sub)
     register_client(sub)
     return parser
 

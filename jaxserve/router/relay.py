@@ -1,0 +1,142 @@
+"""Relaying one worker call: its events, its status, and whether it may be retried elsewhere.
+
+A worker's stream is passed on with its Start event held back until the first token delta (or
+the End): until then nothing of the attempt has reached the client, so a failure may be retried
+on another worker without the client seeing two Starts. A failure after that ends the client's
+call with the worker's status (UNAVAILABLE when the worker went away).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+
+from jaxserve.server import errors
+from jaxserve.server.errors import ServeError
+from jaxserve.router.pool import Attempt, Worker
+from jaxserve.v1 import jaxserve_pb2 as pb
+
+# Trailers a worker's error carries that mean something to the client: passed on unchanged.
+RELAYED_TRAILERS = (errors.PUSHBACK_KEY, errors.RETRY_AFTER_KEY, errors.STATUS_DETAILS_KEY,
+                    errors.INTEGRITY_CAUSE_KEY)
+# Statuses that say "not here, not now": the request never ran there, another worker may take it.
+ELSEWHERE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+@dataclasses.dataclass(eq=False)
+class Route:
+    """One generation request at the router (what Abort and the stream watchdog need)."""
+
+    request_id: str
+    session_id: str
+    owner: tuple  # the caller's credentials: only the same may abort it
+    metadata: tuple  # sent with every worker call of this request
+    deadline: float | None  # time.monotonic() by which the client's call expires
+    stage: str = "routing"  # "routing" -> "prefill" -> "worker" (where the tokens come from)
+    worker: Worker | None = None  # during "prefill" / "worker"
+    attempt: Attempt | None = None
+    aborted: bool = False
+    relayed: bool = False  # some event of the current attempt reached the client
+    prompt_ids: list | None = None
+    writing_since: float | None = None  # for limits.watch_unread
+    unread: bool = False
+    task: asyncio.Task | None = None
+
+
+class WorkerError(Exception):
+    """A worker call ended with a status (or the worker went down under it: `lost`)."""
+
+    def __init__(self, worker: Worker, code: grpc.StatusCode, details: str, trailers=(), lost: bool = False):
+        super().__init__(f"{worker.address}: {code.name}: {details}")
+        self.worker, self.code, self.details, self.lost = worker, code, details or "", lost
+        self.trailers = tuple((k, v) for k, v in (trailers or ()) if k in RELAYED_TRAILERS)
+
+    @property
+    def elsewhere(self) -> bool:
+        """The request did not run there; another worker may take it."""
+        return self.lost or self.code in ELSEWHERE
+
+    @property
+    def cause(self) -> str:
+        return "worker_lost" if self.lost else self.code.name.lower()
+
+    def to_serve_error(self) -> ServeError:
+        if self.lost:
+            return ServeError(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker.address} went down",
+                              retry_after_s=1.0)
+        return ServeError(self.code, self.details, trailers=self.trailers)
+
+    def mid_stream(self, tokens: int) -> ServeError:
+        """The error the client gets when this ends a stream that already had tokens."""
+        if not self.elsewhere:
+            return ServeError(self.code, self.details, trailers=self.trailers)
+        return ServeError(grpc.StatusCode.UNAVAILABLE,
+                          f"worker {self.worker.address} failed after {tokens} streamed token(s) "
+                          f"({self.cause}: {self.details or 'went down'}); the request did not finish",
+                          retry_after_s=1.0)
+
+
+def from_rpc_error(attempt: Attempt, e: grpc.RpcError) -> WorkerError:
+    trailers = e.trailing_metadata() if hasattr(e, "trailing_metadata") else ()
+    return WorkerError(attempt.worker, e.code(), e.details() if hasattr(e, "details") else str(e), trailers,
+                       lost=attempt.lost)
+
+
+def lost_or_raise(attempt: Attempt) -> WorkerError | None:
+    """In an ``except CancelledError``: None when this task itself is being cancelled (the
+    caller re-raises); otherwise only the worker call was cancelled, by the pool (the worker
+    went down: ``lost``) or by an Abort of the request (CANCELLED)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        return None
+    if attempt.lost:
+        return WorkerError(attempt.worker, grpc.StatusCode.UNAVAILABLE, "went down", lost=True)
+    return WorkerError(attempt.worker, grpc.StatusCode.CANCELLED, "cancelled by the router")
+
+
+async def call_unary(attempt: Attempt, call):
+    """Await a unary worker call registered in `attempt`; WorkerError on its failure."""
+    attempt.call = call
+    try:
+        return await call
+    except grpc.RpcError as e:
+        raise from_rpc_error(attempt, e) from None
+    except asyncio.CancelledError:
+        lost = lost_or_raise(attempt)
+        if lost is None:
+            raise
+        raise lost from None
+
+
+async def relay_stream(attempt: Attempt, call, route: Route):
+    """The messages of a worker stream, Start held until the first Delta or the End
+    (``route.relayed`` turns True with the first message passed on). Raises WorkerError."""
+    attempt.call = call
+    held = None
+    try:
+        async for msg in call:
+            if msg.WhichOneof("event") == "start":
+                held = msg
+                continue
+            if held is not None:
+                route.relayed = True
+                yield held
+                held = None
+            route.relayed = True
+            yield msg
+    except grpc.RpcError as e:
+        raise from_rpc_error(attempt, e) from None
+    except asyncio.CancelledError:
+        lost = lost_or_raise(attempt)
+        if lost is None:
+            raise
+        raise lost from None
+
+
+def abort_events(route: Route, prompt_tokens: int):
+    """What a worker sends for a request aborted before it produced a token."""
+    yield pb.GenerateStreamResponse(start=pb.StreamStart(request_id=route.request_id, session_id=route.session_id,
+                                                         prompt_tokens=prompt_tokens))
+    yield pb.GenerateStreamResponse(end=pb.StreamEnd(finish_reason=pb.FINISH_REASON_ABORT,
+                                                     usage=pb.Usage(prompt_tokens=prompt_tokens)))

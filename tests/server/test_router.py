@@ -1,0 +1,157 @@
+"""`jaxserve route` over two `jaxserve serve` workers, all real processes on loopback: the
+router's answers are the worker's (tokens, texts, errors), a session keeps its worker, a shared
+prefix goes where it is cached, and a killed worker is taken out while requests keep succeeding.
+The tests run in order: the last one kills a worker."""
+import re
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from jaxserve.client import Client, build_request, finish_reason
+
+from .conftest import IDS_A, IDS_B, eventually
+from .serve_process import ServeProcess, serve_args, server_env
+
+CASES = [
+    (IDS_A, dict(max_tokens=12, ignore_eos=True)),
+    ("The capital of France is", dict(max_tokens=10)),
+    ("What is two plus two?", dict(max_tokens=10, chat_template=True)),
+    (IDS_B, dict(max_tokens=12, temperature=0.8, top_k=50, top_p=0.9, seed=7, ignore_eos=True)),
+    ("The capital of France is", dict(max_tokens=10, stop=["is"])),
+]
+BAD = [
+    ([], dict(max_tokens=2)),  # empty prompt
+    ([49152], dict(max_tokens=2)),  # id >= vocab
+    (IDS_A, dict(max_tokens=250)),  # prompt + max_tokens > context
+    (IDS_A, dict(max_tokens=2, temperature=-1.0)),
+    (IDS_A, dict(max_tokens=2, request_id="bad id")),
+    ([1, 2], dict(max_tokens=0)),
+]
+
+
+def _target(proc: ServeProcess, marker: str) -> str:
+    line = proc.wait_for(marker, timeout=240)
+    return re.search(r"on (127\.0\.0\.1:\d+)", line).group(1)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_text_model):
+    env = server_env()
+    workers = [ServeProcess(serve_args(tiny_text_model, "--log-level", "info"), env) for _ in range(2)]
+    router = None
+    try:
+        addresses = [_target(w, "listening on") for w in workers]
+        for w in workers:
+            w.wait_for("SERVING on", timeout=240)
+        router = ServeProcess([sys.executable, "-m", "jaxserve.router.cli", "route", "--port", "0",
+                               "--metrics-port", "-1", "--health-interval", "0.2", "--unhealthy-after", "1",
+                               *[a for addr in addresses for a in ("--worker", addr)]], env)
+        line = router.wait_for("routing on", timeout=60)
+        assert "2 up" in line, router.output
+        target = re.search(r"routing on (127\.0\.0\.1:\d+)", line).group(1)
+        clients = [Client(a, timeout=60) for a in [target, *addresses]]
+        yield dict(router=router, workers=workers, addresses=addresses, client=clients[0], direct=clients[1:])
+        for c in clients:
+            c.close()
+    finally:
+        for p in [router, *workers]:
+            if p is not None:
+                p.close()
+
+
+def _replica(client: Client, prompt, **kw) -> tuple:
+    """(response, the x-jaxserve-replica header)."""
+    resp, call = client.stub.Generate.with_call(build_request(prompt, **kw), timeout=60)
+    return resp, dict(call.initial_metadata())["x-jaxserve-replica"]
+
+
+def test_tokens_and_texts_are_a_workers(cluster):
+    client, direct = cluster["client"], cluster["direct"][0]
+    for prompt, kw in CASES:
+        want, got = direct.generate(prompt, **kw), client.generate(prompt, **kw)
+        assert (list(got.token_ids), got.text, got.finish_reason) == (list(want.token_ids), want.text,
+                                                                       want.finish_reason), (prompt, kw)
+        streamed = list(client.generate_stream(prompt, **kw))
+        ids = [t for e in streamed if e.WhichOneof("event") == "delta" for t in e.delta.token_ids]
+        assert ids == list(want.token_ids) and finish_reason(streamed[-1].end) == finish_reason(want)
+    assert client.tokenize("Hello there") == direct.tokenize("Hello there")
+    assert client.model_info().fingerprint == direct.model_info().fingerprint
+
+
+def test_bad_input_gets_the_same_status_as_a_worker(cluster):
+    client, direct = cluster["client"], cluster["direct"][0]
+    for prompt, kw in BAD:
+        errs = []
+        for c in (direct, client):
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate(prompt, **kw)
+            errs.append((e.value.code(), e.value.details()))
+        assert errs[0] == errs[1], (prompt, kw)
+
+
+def test_a_session_keeps_its_worker(cluster):
+    client = cluster["client"]
+    for session in ("alice", "bob", "carol"):
+        seen = {_replica(client, IDS_B + [i], max_tokens=2, session_id=session)[1] for i in range(4)}
+        assert len(seen) == 1, (session, seen)
+
+
+def test_a_shared_prefix_lands_where_it_is_cached(cluster):
+    client = cluster["client"]
+    prefix = [(37 * i) % 40000 + 100 for i in range(41)]  # 5 full pages of 8 may hit
+    first, where = _replica(client, prefix, max_tokens=2)
+    assert first.usage.cached_tokens == 0
+    for k in range(4):
+        resp, replica = _replica(client, prefix + [k + 1], max_tokens=2)
+        assert replica == where and resp.usage.cached_tokens == 40, (k, resp.usage)
+
+
+def test_abort_and_cancel_reach_the_worker_and_free_its_pages(cluster):
+    client, direct = cluster["client"], cluster["direct"]
+
+    def pages_used():
+        return sum(c.model_info().kv_pages.used for c in direct)
+
+    it = client.generate_stream(IDS_A, max_tokens=200, ignore_eos=True, request_id="via-router")
+    assert [next(it).WhichOneof("event") for _ in range(2)] == ["start", "delta"]
+    assert pages_used() > 0
+    r = client.abort("via-router", "never-ran")
+    assert list(r.aborted) == ["via-router"] and list(r.not_found) == ["never-ran"]
+    assert finish_reason(list(it)[-1].end) == "abort"
+    it = client.generate_stream(IDS_A, max_tokens=200, ignore_eos=True)
+    assert [next(it).WhichOneof("event") for _ in range(2)] == ["start", "delta"]
+    it.cancel()
+    assert eventually(lambda: pages_used() == 0)
+
+
+def test_a_killed_worker_is_taken_out_and_requests_keep_succeeding(cluster):
+    client, (a, b) = cluster["client"], cluster["addresses"]
+    victim = cluster["workers"][1]
+    # A session on the victim, mid-stream when it dies: an explicit UNAVAILABLE, not a hang.
+    session = next(s for s in (f"s{i}" for i in range(200)) if _replica(client, [5, 6], max_tokens=1,
+                                                                        session_id=s)[1].endswith(f":{b.split(':')[1]}"))
+    it = client.generate_stream(IDS_A, max_tokens=200, ignore_eos=True, session_id=session, timeout=30)
+    assert [next(it).WhichOneof("event") for _ in range(2)] == ["start", "delta"]
+    victim.proc.kill()
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        list(it)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 10
+    with ThreadPoolExecutor(4) as pool:  # the victim's sessions and new ones: all served by the other
+        results = list(pool.map(lambda i: client.generate(IDS_B, max_tokens=4, session_id=f"{session}-{i % 3}"
+                                                          if i % 2 else session), range(8)))
+    assert all(finish_reason(r) == "length" and len(r.token_ids) == 4 for r in results)
+    assert eventually(lambda: client.health(f"worker/{b}") == "NOT_SERVING", timeout=10)
+    assert client.health(f"worker/{a}") == "SERVING" and client.health() == "SERVING"
+    assert "is down" in cluster["router"].wait_for("is down", timeout=10)
+
+
+def test_the_router_drains_and_exits_0_on_sigterm(cluster):
+    router = cluster["router"]
+    router.proc.send_signal(signal.SIGTERM)
+    assert router.wait(timeout=15) == 0
+    assert "jaxserve: stopped" in router.output and "Traceback" not in router.output
