@@ -24,6 +24,7 @@ from .tiny_model import build_tiny_text_model
 ENGINE = dict(kv_format="float32", num_pages=64, page_size=8, max_num_seqs=8, max_prefill_seqs=2,
               prefill_chunk=32, max_num_batched_tokens=64, max_model_len=256)
 MAX_WAITING = 16
+MODEL_NAME = "tiny-llama"  # the served fixture's model name in the OpenAI HTTP API
 # The served fixture's limits: prompts up to 2 MiB (so a multi-MB text is tokenized while other
 # requests run), stream caps above the 8 streams per connection test_generate opens at once
 # and (in total) below MAX_WAITING, so a test can fill them while the engine is held.
@@ -104,6 +105,11 @@ class Served:
     def kv(self):
         return self.client.model_info().kv_pages
 
+    @property
+    def http_target(self) -> str:
+        """The OpenAI API's base URL."""
+        return self.thread.http_target
+
 
 @pytest.fixture(scope="session")
 def served(llm, cases):
@@ -114,7 +120,8 @@ def served(llm, cases):
     llm.engine.warmup = lambda: (gate.wait(120), real_warmup())
     from jaxserve.server.limits import ServeLimits
 
-    st = ServerThread(llm, max_waiting=MAX_WAITING, replica_id="test-replica", limits=ServeLimits(**LIMITS)).start()
+    st = ServerThread(llm, max_waiting=MAX_WAITING, replica_id="test-replica", limits=ServeLimits(**LIMITS),
+                      http_port=0, served_model_name=MODEL_NAME).start()
     client = Client(st.target, timeout=60)
     boot = {"health": client.health(), "service_health": client.health("jaxserve.v1.JaxServe")}
     try:
