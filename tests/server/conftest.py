@@ -164,12 +164,14 @@ def served(llm, cases, logprobs_reference):
     st.stop()
 
 
-def http_call(url: str, body: dict | None = None, headers: dict | None = None) -> tuple[int, dict, dict]:
-    """GET (or POST `body` as JSON) -> (status, JSON body, response headers), errors included."""
+def http_call(url: str, body: dict | None = None, headers: dict | None = None,
+              context=None) -> tuple[int, dict, dict]:
+    """GET (or POST `body` as JSON) -> (status, JSON body, response headers), errors included;
+    context: an ssl.SSLContext for https."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data, {"content-type": "application/json", **(headers or {})})
     try:
-        with urllib.request.urlopen(req, timeout=60) as r:
+        with urllib.request.urlopen(req, timeout=60, context=context) as r:
             return r.status, json.loads(r.read()), dict(r.headers)
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read()), dict(e.headers)
