@@ -28,6 +28,7 @@ import os
 import platform
 import random
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -109,6 +110,9 @@ async def run_one(client: openai.AsyncOpenAI, grpc: AsyncClient, req: dict, rec:
         except openai.APIStatusError as e:
             rec["outcome"] = f"http_{e.status_code}"
             return
+        except openai.APIConnectionError as e:  # not an explicit outcome: the checks fail
+            rec["outcome"] = f"connection_error: {e.__cause__!r}"
+            return
         rec["tokens"] = tokens
         if rec["outcome"] is None:
             finish = rec.get("finish")
@@ -169,6 +173,7 @@ def main(argv=None) -> int:
     t_start, lines = time.perf_counter(), []
     proc, target, metrics_port = start_server(args, model, ("--http-port", "0", "--served-model-name", MODEL), lines)
     ready_s = time.perf_counter() - t_start
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()  # the pipe never fills
     base_url = next(x for x in lines if "HTTP API on" in x).split(" on ")[1].split()[0]
     print(f"server {base_url} (gRPC {target}) ready in {ready_s:.1f}s", flush=True)
     try:
@@ -216,6 +221,8 @@ def main(argv=None) -> int:
                                              "requests_per_s", "ttft", "inter_token", "e2e_completed",
                                              "kv_pages_at_end", "checks")}, indent=2))
     print(f"wrote {args.out}")
+    if not all(checks.values()):
+        print("server output:\n" + "".join(lines[-40:]))
     return 0 if all(checks.values()) else 1
 
 

@@ -27,11 +27,18 @@ class _EmbeddedUvicorn(uvicorn.Server):
 
 
 class HttpServer:
-    """An ASGI app served on host:port (0 = a free port: read ``.port`` after ``start``)."""
+    """An ASGI app served on host:port (0 = a free port: read ``.port`` after ``start``).
 
-    def __init__(self, app, host: str, port: int, tls: HttpTls | None = None, shutdown_timeout_s: float = 1.0):
+    keep_alive_s: how long an idle connection stays open. Longer than HTTP clients' own idle
+    expiry (httpx, under OpenAI's Python client: 5 s), so the client closes an idle connection
+    first: were the server to close it as the client sends on it, that request would fail with
+    a connection error before reaching the server (uvicorn's default is also 5 s).
+    """
+
+    def __init__(self, app, host: str, port: int, tls: HttpTls | None = None, shutdown_timeout_s: float = 1.0,
+                 keep_alive_s: float = 75.0):
         self.app, self.host, self.port, self.tls = app, host, port, tls
-        self.shutdown_timeout_s = shutdown_timeout_s
+        self.shutdown_timeout_s, self.keep_alive_s = shutdown_timeout_s, keep_alive_s
         self._server: _EmbeddedUvicorn | None = None
         self._task: asyncio.Task | None = None
 
@@ -54,7 +61,8 @@ class HttpServer:
             if self.tls.client_ca:
                 tls.update(ssl_ca_certs=self.tls.client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
         config = uvicorn.Config(self.app, lifespan="off", log_config=None, access_log=False, log_level="warning",
-                                timeout_graceful_shutdown=self.shutdown_timeout_s, **tls)
+                                timeout_graceful_shutdown=self.shutdown_timeout_s,
+                                timeout_keep_alive=self.keep_alive_s, **tls)
         self._server = _EmbeddedUvicorn(config)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
         while not self._server.started:
