@@ -184,10 +184,12 @@ class OpenAIFrontEnd:
             return EventStream(self._events(req, stream, state), headers, close)
         work = asyncio.ensure_future(self._collect(req, stream, label))
         watcher = asyncio.ensure_future(until_disconnect(request.receive))
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (work, watcher):
-            task.cancel()
-        await asyncio.gather(work, watcher, return_exceptions=True)
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this handler is cancelled (the server stopping): nothing runs on
+            for task in (work, watcher):
+                task.cancel()
+            await asyncio.gather(work, watcher, return_exceptions=True)
         if not work.done() or work.cancelled():
             return Response(status_code=499)  # nobody is listening any more
         body, status = work.result()
