@@ -6,6 +6,9 @@
         r.text, list(r.token_ids), r.finish_reason, r.usage.cached_tokens
         for ev in c.generate_stream([1, 4093, 198], max_tokens=8):
             ...  # ev.start, then ev.delta (token_ids, text), then ev.end (finish reason, usage, timing)
+        chat = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
+        r = c.generate(chat, max_tokens=16, logprobs=3, n=2)  # a conversation; log-probs; 2 choices
+        r.logprobs[0].logprob, r.logprobs[0].top, [ch.text for ch in r.choices]
 
 ``AsyncClient`` has the same methods as coroutines (``generate_stream`` returns an async
 iterator with ``.cancel()``). Errors are ``grpc.RpcError`` with the server's status code;

@@ -145,7 +145,9 @@ class OpenAIFrontEnd:
         return await self._generate(request, api.parse_completion, "http.completions")
 
     async def _generate(self, request: Request, parse, label: str):
-        arrival, peer, slot = time.perf_counter(), f"http:{request.client.host}:{request.client.port}", False
+        client = request.client  # None on a unix socket: one peer for all
+        arrival, slot = time.perf_counter(), False
+        peer = f"http:{client.host}:{client.port}" if client is not None else "http:local"
         try:
             owner = self._owner(request)
             req = parse(await self._body(request))
