@@ -40,8 +40,8 @@ def test_before_warmup_health_and_generation_are_503_with_retry_after(served):
 def test_chat_gives_the_python_api_and_grpc_tokens(served, cases, llm, oai, name):
     prompt, kw, want = cases[name]
     messages = prompt if name == "multi_turn" else [{"role": "user", "content": prompt}]
-    r = oai.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=kw["max_tokens"], temperature=0,
-                                    logprobs=True)
+    limit = {"max_completion_tokens" if name == "multi_turn" else "max_tokens": kw["max_tokens"]}  # either name
+    r = oai.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0, logprobs=True, **limit)
     c = r.choices[0]
     assert c.message.role == "assistant" and c.message.content == want.text and c.finish_reason == want.finish_reason
     assert [t.token for t in c.logprobs.content] == token_texts(llm, want)  # token by token
@@ -59,12 +59,13 @@ def test_cached_tokens_are_reported(served, cases, oai):
     assert r.usage.prompt_tokens_details.cached_tokens == (want.usage.prompt_tokens - 1) // page * page > 0
 
 
-@pytest.mark.parametrize("name", ["ids_greedy", "text_greedy", "stop_string"])
+@pytest.mark.parametrize("name", ["ids_greedy", "text_greedy", "stop_string", "penalties"])
 def test_completions_give_the_python_api_text(served, cases, oai, name):
     prompt, kw, want = cases[name]
-    extra = {"ignore_eos": True} if kw.get("ignore_eos") else {}
+    extra = {k: kw[k] for k in ("ignore_eos", "repetition_penalty") if k in kw}  # vLLM's extra fields
+    openai_kw = {k: kw[k] for k in ("presence_penalty", "frequency_penalty", "stop") if k in kw}
     r = oai.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=kw["max_tokens"], temperature=0,
-                               stop=kw.get("stop"), extra_body=extra)
+                               extra_body=extra, **openai_kw)
     assert r.choices[0].text == want.text and r.choices[0].finish_reason == want.finish_reason
     assert r.usage.completion_tokens == len(want)
 
