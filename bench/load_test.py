@@ -64,12 +64,14 @@ def parse_args(argv=None):
 
 
 # ---------------------------------------------------------------------- server
-def start_server(args, model: str):
+def start_server(args, model: str, extra: tuple = (), lines: list | None = None):
+    """-> (process, gRPC target, metrics port) once SERVING; `extra` flags go to jaxserve
+    serve, and its output lines so far to `lines`."""
     cmd = [sys.executable, "-m", "jaxserve.server.cli", "serve", "--model", model, "--host", "127.0.0.1",
            "--port", "0", "--metrics-port", "0", "--log-level", "warning", "--drain-timeout", "10"]
-    cmd += ["--max-waiting", str(args.max_waiting)] + engine_flags(args)
+    cmd += ["--max-waiting", str(args.max_waiting)] + engine_flags(args) + list(extra)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-    metrics_port, lines = None, []
+    metrics_port, lines = None, [] if lines is None else lines
     for line in proc.stdout:
         lines.append(line)
         if "metrics port" in line:

@@ -6,6 +6,9 @@
         r.text, list(r.token_ids), r.finish_reason, r.usage.cached_tokens
         for ev in c.generate_stream([1, 4093, 198], max_tokens=8):
             ...  # ev.start, then ev.delta (token_ids, text), then ev.end (finish reason, usage, timing)
+        chat = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
+        r = c.generate(chat, max_tokens=16, logprobs=3, n=2)  # a conversation; log-probs; 2 choices
+        r.logprobs[0].logprob, r.logprobs[0].top, [ch.text for ch in r.choices]
 
 ``AsyncClient`` has the same methods as coroutines (``generate_stream`` returns an async
 iterator with ``.cancel()``). Errors are ``grpc.RpcError`` with the server's status code;
@@ -37,23 +40,28 @@ from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
 __all__ = ["Client", "AsyncClient", "build_request", "retry_after_s", "pb"]
 
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
-             "frequency_penalty")
+             "frequency_penalty", "logprobs")
 FINISH_REASON_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                        pb.FINISH_REASON_ABORT: "abort", pb.FINISH_REASON_UNSPECIFIED: "unspecified"}
 
 
-def build_request(prompt: str | Sequence[int], *, max_tokens: int | None = None, stop: Sequence[str] = (),
-                  stop_token_ids: Sequence[int] = (), ignore_eos: bool | None = None, request_id: str = "",
-                  session_id: str = "", chat_template: bool = False, **sampling) -> pb.GenerateRequest:
-    """A GenerateRequest: a text prompt or token ids, sampling keyword arguments
-    (temperature, top_p, top_k, min_p, seed, repetition_penalty, presence_penalty,
-    frequency_penalty) and stop criteria; None means unset (the server default)."""
+def build_request(prompt: str | Sequence[int] | Sequence[dict], *, max_tokens: int | None = None,
+                  stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool | None = None,
+                  request_id: str = "", session_id: str = "", chat_template: bool = False, n: int | None = None,
+                  **sampling) -> pb.GenerateRequest:
+    """A GenerateRequest: a text prompt, token ids or a conversation ([{"role", "content"}],
+    rendered with the model's chat template), sampling keyword arguments (temperature, top_p,
+    top_k, min_p, seed, repetition_penalty, presence_penalty, frequency_penalty, logprobs),
+    stop criteria and n (completions); None means unset (the server default)."""
     unknown = set(sampling) - set(_SAMPLING)
     if unknown:
         raise TypeError(f"unknown sampling arguments {sorted(unknown)}; known: {list(_SAMPLING)}")
-    req = pb.GenerateRequest(request_id=request_id, session_id=session_id, apply_chat_template=chat_template)
+    req = pb.GenerateRequest(request_id=request_id, session_id=session_id, apply_chat_template=chat_template,
+                             n=n or 0)
     if isinstance(prompt, str):
         req.text = prompt
+    elif len(prompt) and all(isinstance(m, dict) for m in prompt):
+        req.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
     else:
         req.token_ids.ids.extend(int(t) for t in prompt)
         req.token_ids.SetInParent()  # an empty id list is still "token ids" (the server says: empty prompt)

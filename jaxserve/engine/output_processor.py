@@ -116,10 +116,12 @@ class OutputProcessor:
         end = max(s.emitted_text, len(s.text) - hold)
         delta = s.text[s.emitted_text:end]
         s.emitted_text = end
+        lps = s.logprobs[len(s.logprobs) - len(new_ids):] if s.params.logprobs is not None and new_ids else None
         return RequestOutput(
             s.request_id, list(new_ids), delta, s.finished, s.finish_reason, s.error,
             self.completion(s) if s.finished else None,
             started=started, prompt_tokens=len(s.prompt_ids), cached_tokens=s.num_cached_tokens,
+            new_logprobs=lps,
         )
 
     def completion(self, s: Sequence) -> Completion:

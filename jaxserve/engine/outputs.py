@@ -34,6 +34,8 @@ class RequestOutput:
     started: bool = False
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # With SamplingParams.logprobs set: one (logprob, {token_id: logprob} top-n) per new token.
+    new_logprobs: list | None = None
 
 
 class Completion(list):

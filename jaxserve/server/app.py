@@ -1,5 +1,6 @@
 """One engine behind a grpc.aio server: the JaxServe service, grpc.health.v1, server
-reflection and a Prometheus endpoint; warm-up before SERVING, graceful drain on stop.
+reflection and a Prometheus endpoint; optionally the OpenAI-compatible HTTP API on the same
+event loop and engine; warm-up before SERVING, graceful drain (of both) on stop.
 
 ``Server`` lives on an asyncio event loop (``jaxserve serve`` runs it on the main thread);
 ``ServerThread`` runs one on a background thread for synchronous callers (tests, benches).
@@ -19,6 +20,7 @@ from jaxserve.server import convert
 from jaxserve.server.auth import ApiKeys
 from jaxserve.server.engine_loop import EngineLoop
 from jaxserve.server.guard import RequestGuard
+from jaxserve.server.http_server import HttpServer, HttpTls
 from jaxserve.server.limits import ServeLimits
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.service import JaxServeService
@@ -42,14 +44,18 @@ class Server:
     grpc.ServerCredentials (``auth.server_credentials``) for TLS, None = plaintext. keys:
     the API keys (``auth.ApiKeys``; none = no authentication). max_id_length: the longest
     request / session id accepted. limits: bounds on the work of one request and on open
-    streams (``limits.ServeLimits``; None = the defaults). The weights are hashed here,
-    once, for the fingerprint in GetModelInfo.
+    streams (``limits.ServeLimits``; None = the defaults). http_port: also serve the
+    OpenAI-compatible HTTP API on host:http_port (None = off, 0 = a free port: read
+    ``.http_port``), with the same keys and limits, over TLS with http_tls (``HttpTls``);
+    served_model_name: the model's name there (default: the checkpoint's directory name).
+    The weights are hashed here, once, for the fingerprint in GetModelInfo.
     """
 
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = 0,
                  max_waiting: int = 256, replica_id: str | None = None, metrics_host: str = "127.0.0.1",
                  credentials=None, keys: ApiKeys | None = None, max_id_length: int = convert.MAX_ID_LENGTH,
-                 limits: ServeLimits | None = None):
+                 limits: ServeLimits | None = None, http_port: int | None = None, http_tls: HttpTls | None = None,
+                 served_model_name: str | None = None):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         convert.check_id_options(max_id_length, replica_id)
@@ -64,6 +70,8 @@ class Server:
         self._replica_id = replica_id
         self.failure: BaseException | None = None
         self._grpc = self._http = self.service = self.engine_loop = self.health = None
+        self.http_port, self.http_tls, self.http = http_port, http_tls, None
+        self.served_model_name = served_model_name or self.info.model or "jaxserve"
 
     async def start(self) -> None:
         """Bind and start answering (health NOT_SERVING); warm-up runs on the engine thread
@@ -99,11 +107,19 @@ class Server:
             "replica_id": self.info.replica_id,
         })
         await self._grpc.start()
+        if self.http_port is not None:
+            from jaxserve.server.openai_http import OpenAIFrontEnd  # FastAPI only when asked for
+
+            self.http = HttpServer(OpenAIFrontEnd(self.service, self.served_model_name).app, self.host,
+                                   self.http_port, self.http_tls)
+            await self.http.start()
+            self.http_port = self.http.port
         if self.metrics_port is not None:
             self._http, _, self.metrics_port = self.metrics.serve_http(self.metrics_port, self.metrics_host)
-        log.info("listening on %s:%d (%s, %s; metrics %s); warming up", self.host, self.port,
+        log.info("listening on %s:%d (%s, %s; metrics %s; HTTP %s); warming up", self.host, self.port,
                  "TLS" if self.credentials is not None else "plaintext",
-                 f"{len(self.keys)} API key(s)" if self.keys.enabled else "no API key", self.metrics_target)
+                 f"{len(self.keys)} API key(s)" if self.keys.enabled else "no API key", self.metrics_target,
+                 self.http_target or "off")
         for phase in ("prefill", "decode"):
             log.info("%s matmuls: %s", phase, getattr(self.info, phase).matmul_path)
         m = self.info.memory
@@ -116,6 +132,11 @@ class Server:
     @property
     def target(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def http_target(self) -> str | None:
+        """The OpenAI API's base URL (".../v1"), or None when it is off."""
+        return f"{self.http.scheme}://{self.host}:{self.http_port}/v1" if self.http is not None else None
 
     @property
     def metrics_target(self) -> str:
@@ -156,6 +177,8 @@ class Server:
         await self.health.enter_graceful_shutdown()
         idle = await self.service.wait_idle(grace)
         log.info("drained (%s); stopping", "idle" if idle else f"{len(self.service.active)} cancelled")
+        if self.http is not None:
+            await self.http.stop()  # closes the connections: what is left aborts in the engine
         await self._grpc.stop(0.5)  # cancels what is left: their handlers abort in the engine
         self._watchdog.cancel()
         self.service.close()
@@ -228,6 +251,10 @@ class ServerThread:
     @property
     def target(self) -> str:
         return self.server.target
+
+    @property
+    def http_target(self) -> str | None:
+        return self.server.http_target
 
     def __enter__(self):
         return self.start()

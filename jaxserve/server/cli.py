@@ -23,16 +23,24 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 # ---------------------------------------------------------------------- serve
 def register_serve(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model over gRPC (health, reflection, Prometheus metrics)")
+    p = sub.add_parser("serve", help="serve a model over gRPC (health, reflection, Prometheus metrics) "
+                                     "and optionally the OpenAI-compatible HTTP API")
     p.add_argument("--model", default=None,
                    help="Hugging Face-format checkpoint directory; default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0 = pick a free one)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                        "/v1/models, /health) on this port, same host, engine, keys, limits and TLS "
+                        "(0 = pick a free one; default off)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's name in the HTTP API (default: the checkpoint's directory name)")
     p.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (0 = free one, -1 = off)")
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address of the metrics endpoint (plain HTTP, no authentication): loopback unless "
                         "set, whatever --host is")
-    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
+    p.add_argument("--tls-cert", default=None,
+                   help="PEM certificate chain: serve gRPC (and HTTP) over TLS (with --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", default=None,
                    help="PEM CA certificate(s): require a client certificate signed by one of them (mTLS)")
@@ -164,16 +172,23 @@ async def _serve(args, llm, keys, credentials) -> tuple[int, bool]:
     loop = asyncio.get_running_loop()
     for sig in _SIGNALS:
         loop.add_signal_handler(sig, stop.set)
+    from jaxserve.server.http_server import HttpTls
+
+    http_tls = HttpTls(args.tls_cert, args.tls_key, args.tls_client_ca) if credentials is not None else None
     server = Server(llm, host=args.host, port=args.port, max_waiting=args.max_waiting, replica_id=args.replica_id,
                     metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                     metrics_host=args.metrics_host, credentials=credentials, keys=keys,
-                    max_id_length=args.max_id_length, limits=args.limits)
+                    max_id_length=args.max_id_length, limits=args.limits, http_port=args.http_port,
+                    http_tls=http_tls, served_model_name=args.served_model_name)
     await server.start()
     security = (f"{'TLS' if credentials is not None else 'plaintext'}, "
                 f"{f'{len(keys)} API key(s)' if keys.enabled else 'no API key'}")
     # "metrics port N)" is parsed by scripts (bench/load_test.py): keep it last in the parentheses.
     print(f"jaxserve: listening on {server.target} ({security}, metrics on {args.metrics_host}, "
           f"metrics port {server.metrics_port}); warming up (health NOT_SERVING until done)", flush=True)
+    if server.http_target is not None:
+        print(f"jaxserve: OpenAI-compatible HTTP API on {server.http_target} (model "
+              f"{server.served_model_name!r})", flush=True)
     _warn_if_exposed(args.host, keys, credentials)
     ready = asyncio.ensure_future(server.wait_ready())
     stopping = asyncio.ensure_future(stop.wait())

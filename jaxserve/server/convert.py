@@ -6,6 +6,7 @@ loop; anything wrong with the input raises ``ServeError`` with the right status 
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import pathlib
@@ -54,6 +55,8 @@ def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
     kw = {f: getattr(req.sampling, f) for f in _SAMPLING_FIELDS if req.sampling.HasField(f)}
     if "seed" in kw and not 0 <= kw["seed"] <= SEED_MAX:
         raise errors.invalid_argument(f"seed must be in [0, {SEED_MAX}], got {kw['seed']}")
+    if req.sampling.HasField("logprobs"):
+        kw["logprobs"] = req.sampling.logprobs
     stop = req.stop
     if stop.HasField("max_tokens"):
         kw["max_tokens"] = stop.max_tokens
@@ -65,6 +68,22 @@ def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as e:
         raise errors.invalid_argument(str(e)) from e
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request with `seed` (n > 1): choice 0 keeps the seed,
+    so n=1 and choice 0 of n=k sample the same tokens; None stays None (the engine draws)."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.sha256(f"jaxserve-choice:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") % (SEED_MAX + 1)
+
+
+def choice_params(params: SamplingParams, n: int, max_n: int) -> list[SamplingParams]:
+    """One SamplingParams per choice (n in [1, max_n], else INVALID_ARGUMENT naming `n`)."""
+    if not 1 <= n <= max_n:
+        raise errors.invalid_argument(f"n must be in [1, {max_n}] (the server's max_num_seqs), got {n}")
+    return [dataclasses.replace(params, seed=choice_seed(params.seed, i)) for i in range(n)]
 
 
 def _need_tokenizer(tokenizer, what: str):
@@ -82,10 +101,42 @@ def encode_text(tokenizer, text: str, chat_template: bool, add_special_tokens: b
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
+def check_messages(messages) -> list[dict]:
+    """Chat messages [{"role", "content"}] with string roles and contents, non-empty."""
+    if not messages:
+        raise errors.invalid_argument("messages is empty")
+    out = []
+    for i, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role:
+            raise errors.invalid_argument(f"messages[{i}].role must be a non-empty string")
+        if not isinstance(content, str):
+            raise errors.invalid_argument(f"messages[{i}].content must be a string")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation -> ids: the model's chat template (ending with the assistant's turn to
+    answer), then encoded as ``encode_text`` encodes a templated text."""
+    _need_tokenizer(tokenizer, "chat messages need the model's tokenizer and chat template")
+    if not tokenizer.chat_template:
+        raise errors.failed_precondition("this model has no chat template")
+    try:
+        text = tokenizer.apply_chat_template(messages)
+    except Exception as e:  # the template may raise (e.g. roles out of order)
+        raise errors.invalid_argument(f"the chat template rejected the messages: {e}") from e
+    return tokenizer.encode(text)
+
+
 def prompt_ids(req: pb.GenerateRequest, tokenizer) -> list[int]:
     kind = req.WhichOneof("prompt")
+    if req.messages:
+        if kind is not None or req.apply_chat_template:
+            raise errors.invalid_argument("set messages or a prompt (text / token_ids), not both")
+        return encode_chat(tokenizer, check_messages([{"role": m.role, "content": m.content} for m in req.messages]))
     if kind is None:
-        raise errors.invalid_argument("empty prompt: set text or token_ids")
+        raise errors.invalid_argument("empty prompt: set text, token_ids or messages")
     if kind == "token_ids":
         if req.apply_chat_template:
             raise errors.invalid_argument("apply_chat_template needs a text prompt")
@@ -108,6 +159,15 @@ def decode_ids(tokenizer, ids, vocab_size: int, skip_special_tokens: bool) -> st
 # ---------------------------------------------------------------------- results
 def usage(u) -> pb.Usage:
     return pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens)
+
+
+def token_logprobs(token_ids, logprobs) -> list[pb.TokenLogprob]:
+    """Engine log-probs [(logprob, {id: logprob})] of `token_ids` -> TokenLogprob messages."""
+    if logprobs is None:
+        return []
+    return [pb.TokenLogprob(token_id=t, logprob=lp, top=[pb.TopLogprob(token_id=i, logprob=v)
+                                                         for i, v in sorted((top or {}).items(), key=lambda x: -x[1])])
+            for t, (lp, top) in zip(token_ids, logprobs)]
 
 
 def timing(ttft_s: float | None, total_s: float) -> pb.Timing:

@@ -7,7 +7,8 @@ Engine thread -> event loop: per step, one ``loop.call_soon_threadsafe`` hands a
 asyncio.Queue. Events are tuples:
 
     ("start", prompt_tokens, cached_tokens)           once, when the scheduler admits it
-    ("delta", token_ids, text)                        new tokens (and/or text)
+    ("delta", token_ids, text, logprobs)              new tokens (and/or text); logprobs: one
+                                                      (logprob, {id: logprob}) per token, or None
     ("end", finish_reason, Usage, ttft_s, total_s, error)   error: IntegrityError | None
     ("error", exception)                              rejected by add_request, or step() failed
 
@@ -55,6 +56,10 @@ class RequestStream:
     writing_since: float | None = None
     task: asyncio.Task | None = None
     unread: bool = False
+    # n > 1: this stream is choice 0 and owns the other choices' streams (index 1..n-1), which
+    # share its ids and are aborted with it; each is one engine request.
+    index: int = 0
+    choices: list = dataclasses.field(default_factory=list)
 
     async def events(self):
         """Yield events up to and including the terminal one."""
@@ -259,7 +264,7 @@ class EngineLoop:
                 live.last_token = now
                 self.metrics.completion_tokens.inc(n)
             if out.new_token_ids or out.new_text:
-                self._out.append((live.stream, ("delta", list(out.new_token_ids), out.new_text)))
+                self._out.append((live.stream, ("delta", list(out.new_token_ids), out.new_text, out.new_logprobs)))
             if out.finished:
                 del self._live[out.request_id]
                 self._end(live, out)

@@ -29,8 +29,9 @@ class ServeError(Exception):
     """A failure with its gRPC status code; `outcome` is the metrics label."""
 
     def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None,
-                 trailers: tuple[tuple[str, str], ...] = ()):
+                 trailers: tuple[tuple[str, str], ...] = (), param: str | None = None):
         super().__init__(message)
+        self.param = param  # the request field at fault, when one is (the HTTP API reports it)
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
@@ -54,8 +55,12 @@ class ServeError(Exception):
         return tuple(md)
 
 
-def invalid_argument(message: str) -> ServeError:
-    return ServeError(grpc.StatusCode.INVALID_ARGUMENT, message)
+def invalid_argument(message: str, param: str | None = None) -> ServeError:
+    return ServeError(grpc.StatusCode.INVALID_ARGUMENT, message, param=param)
+
+
+def not_found(message: str, param: str | None = None) -> ServeError:
+    return ServeError(grpc.StatusCode.NOT_FOUND, message, param=param)
 
 
 def unauthenticated() -> ServeError:

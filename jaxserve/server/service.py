@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import itertools
 import logging
 import time
 import uuid
@@ -22,6 +21,7 @@ from jaxserve.server import convert, errors
 from jaxserve.server.auth import ApiKeys
 from jaxserve.server.engine_loop import EngineLoop, RequestStream
 from jaxserve.server.errors import ServeError
+from jaxserve.server.generations import Generations, choice_events, terminal
 from jaxserve.server.limits import ServeLimits, StreamSlots, check_stop, check_text, watch_unread
 from jaxserve.v1 import jaxserve_pb2 as pb
 from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
@@ -65,28 +65,37 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         self.metrics = metrics
         self.info = info
         self.max_waiting = max_waiting
-        self.phase = "warming up"  # -> "serving" -> "draining"; or "failed"
-        self.active: dict[str, RequestStream] = {}  # client request id -> stream
-        self._seq = itertools.count()
+        self.generations = Generations(engine_loop, metrics, max_waiting, info.max_num_seqs)
 
     # ------------------------------------------------------------------ generation
+    @property
+    def phase(self) -> str:
+        return self.generations.phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self.generations.phase = value
+
+    @property
+    def active(self) -> dict[str, RequestStream]:
+        return self.generations.active
+
     async def Generate(self, request, context):
         stream, outcome, closed = None, "internal", False
         try:
             stream = await self._open(request, context)
-            ids, text = [], []
-            async for ev in stream.events():
+            n = 1 + len(stream.choices)
+            ids, text, lps = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
+            ends = [None] * n
+            async for i, ev in choice_events(stream):
                 if ev[0] == "delta":
-                    ids += ev[1]
-                    text.append(ev[2])
+                    ids[i] += ev[1]
+                    text[i].append(ev[2])
+                    lps[i] += convert.token_logprobs(ev[1], ev[3])
                 elif ev[0] in ("end", "error"):
-                    reason, usage, ttft, total = self._terminal(ev)
-            outcome = reason
-            return pb.GenerateResponse(
-                request_id=stream.request_id, session_id=stream.session_id, token_ids=ids, text="".join(text),
-                finish_reason=convert.FINISH_REASONS[reason], usage=convert.usage(usage),
-                timing=convert.timing(ttft, total),
-            )
+                    ends[i] = terminal(ev)
+            outcome = ends[0][0]
+            return self._response(stream, ids, ["".join(t) for t in text], lps, ends)
         except ServeError as e:
             outcome = e.outcome
             closed = self._close(stream, "Generate", outcome)  # counted before the client sees the status
@@ -102,6 +111,24 @@ class JaxServeService(pb_grpc.JaxServeServicer):
             if not closed:
                 self._close(stream, "Generate", outcome)
 
+    @staticmethod
+    def _response(stream, ids, texts, lps, ends) -> pb.GenerateResponse:
+        """Choice 0 in the top-level fields; with n > 1 every choice in `choices` and the
+        usage of all together (the prompt counted once)."""
+        (reason, usage, ttft, total), n = ends[0], len(ends)
+        resp = pb.GenerateResponse(
+            request_id=stream.request_id, session_id=stream.session_id, token_ids=ids[0], text=texts[0],
+            finish_reason=convert.FINISH_REASONS[reason], usage=convert.usage(usage),
+            timing=convert.timing(ttft, total), logprobs=lps[0])
+        if n > 1:
+            resp.usage.completion_tokens = sum(e[1].completion_tokens for e in ends)
+            firsts = [e[2] for e in ends if e[2] is not None]
+            resp.timing.CopyFrom(convert.timing(min(firsts) if firsts else None, max(e[3] for e in ends)))
+            resp.choices.extend(pb.Choice(index=i, token_ids=ids[i], text=texts[i], logprobs=lps[i],
+                                          finish_reason=convert.FINISH_REASONS[ends[i][0]],
+                                          completion_tokens=ends[i][1].completion_tokens) for i in range(n))
+        return resp
+
     async def GenerateStream(self, request, context):
         """Writes with context.write so that a client that stops reading is noticed: each
         write records when it began, and ``watch_unread`` cancels a handler whose write has
@@ -115,19 +142,20 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         try:
             stream = await self._open(request, context)
             stream.task = asyncio.current_task()
-            async for ev in stream.events():
+            async for i, ev in choice_events(stream):
                 if ev[0] == "start":
                     msg = pb.GenerateStreamResponse(start=pb.StreamStart(
                         request_id=stream.request_id, session_id=stream.session_id,
-                        prompt_tokens=ev[1], cached_tokens=ev[2]))
+                        prompt_tokens=ev[1], cached_tokens=ev[2], index=i))
                 elif ev[0] == "delta":
-                    msg = pb.GenerateStreamResponse(delta=pb.TokenDelta(token_ids=ev[1], text=ev[2]))
+                    msg = pb.GenerateStreamResponse(delta=pb.TokenDelta(
+                        token_ids=ev[1], text=ev[2], index=i, logprobs=convert.token_logprobs(ev[1], ev[3])))
                 else:
-                    reason, usage, ttft, total = self._terminal(ev)
-                    outcome = reason
+                    reason, usage, ttft, total = terminal(ev)
+                    outcome = reason if i == 0 else outcome
                     msg = pb.GenerateStreamResponse(end=pb.StreamEnd(
                         finish_reason=convert.FINISH_REASONS[reason], usage=convert.usage(usage),
-                        timing=convert.timing(ttft, total)))
+                        timing=convert.timing(ttft, total), index=i))
                 stream.writing_since = time.monotonic()
                 await context.write(msg)
                 stream.writing_since = None
@@ -167,48 +195,29 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         rid = convert.check_id("request_id", req.request_id, self.max_id_length)
         session = req.session_id or str(headers.get(SESSION_HEADER, ""))
         convert.check_id("session_id" if req.session_id else SESSION_HEADER, session, self.max_id_length)
-        if self.phase != "serving":
-            raise errors.unavailable(self.phase)
+        self.generations.check_serving()
         check_stop(req.stop.stop, req.stop.stop_token_ids, self.limits)  # before any work on them
-        params = convert.sampling_params(req)
-        if req.WhichOneof("prompt") == "text":
-            check_text(req.text, self.limits)  # before tokenizing it
-            ids = await self._off_loop(req.text, convert.prompt_ids, req, self.llm.tokenizer)
-        else:
-            ids = convert.prompt_ids(req, self.llm.tokenizer)
+        params = convert.choice_params(convert.sampling_params(req), req.n or 1, self.info.max_num_seqs)
+        ids = await self.prompt_ids(req)
         rid = rid or f"req-{uuid.uuid4().hex}"
         md = [(REPLICA_HEADER, self.info.replica_id), ("x-request-id", rid)]
         if session:
             md.append((SESSION_HEADER, session))
         await context.send_initial_metadata(tuple(md))
-        if self.phase != "serving":  # it may have changed during the awaits above
-            raise errors.unavailable(self.phase)
-        if rid in self.active:
-            raise errors.already_exists(rid)
-        waiting = self.engine_loop.waiting
-        if waiting >= self.max_waiting:
-            # Roughly the time for the running batch to turn over once.
-            hint = self.engine_loop.recent_duration_s * max(1, waiting) / max(1, self.info.max_num_seqs)
-            raise errors.queue_full(waiting, self.max_waiting, min(max(hint, 0.05), 30.0))
-        # From here to submit() there is no await: the id check and the registration are atomic.
-        stream = RequestStream(rid, f"{rid}#{next(self._seq)}", session, arrival,
-                               owner=self.keys.identity(context.invocation_metadata()) or "")
-        self.active[rid] = stream
-        if session:
-            self.metrics.session_requests.inc()
-        self._update_sessions()
-        self.engine_loop.submit(stream, ids, params)
-        return stream
+        owner = self.keys.identity(context.invocation_metadata()) or ""
+        # It may have stopped serving during the awaits above: submit checks again.
+        return self.generations.submit(ids, params, rid, session, owner, arrival)
 
-    @staticmethod
-    def _terminal(ev):
-        """A terminal event -> (reason, usage, ttft, total), or the ServeError it stands for."""
-        if ev[0] == "error":
-            raise errors.from_exception(ev[1])
-        _, reason, usage, ttft, total, error = ev
-        if error is not None:  # the page tracker failed this request closed
-            raise errors.integrity_aborted(error)
-        return reason, usage, ttft, total
+    async def prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
+        """The request's prompt as ids (texts and conversations within --max-prompt-bytes,
+        tokenized off the event loop)."""
+        if req.messages:
+            check_text("".join(m.content for m in req.messages), self.limits, "the messages")
+        elif req.WhichOneof("prompt") != "text":
+            return convert.prompt_ids(req, self.llm.tokenizer)
+        else:
+            check_text(req.text, self.limits)  # before tokenizing it
+        return await self.off_loop(req.text, convert.prompt_ids, req, self.llm.tokenizer)
 
     @staticmethod
     def _cancel_outcome(context) -> str:
@@ -218,19 +227,9 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         return "deadline_exceeded" if remaining is not None and remaining < 0.05 else "cancelled"
 
     def _close(self, stream: RequestStream | None, rpc: str, outcome: str) -> bool:
-        """Once per generation RPC: abort it if still running, count and log the outcome."""
-        if stream is not None:
-            if self.active.get(stream.request_id) is stream:
-                del self.active[stream.request_id]
-            if not stream.done:  # cancelled, expired or failed mid-way: free its pages now
-                self.engine_loop.abort(stream.engine_id)
-            self._update_sessions()
-        self.metrics.requests.labels(rpc, outcome).inc()
-        log.info("%s request=%s session=%s outcome=%s", rpc, stream.request_id if stream else "-",
-                 (stream.session_id or "-") if stream else "-", outcome)
-        return True
+        return self.generations.finish(stream, rpc, outcome)
 
-    async def _off_loop(self, text: str, fn, *args):
+    async def off_loop(self, text: str, fn, *args):
         """fn(*args) (a tokenization of `text`) on a worker thread. Large texts get their own
         small pool, so a burst of them queues there instead of taking every default worker;
         ``Tokenizer.encode`` releases the GIL for them, so the event loop keeps running."""
@@ -241,22 +240,16 @@ class JaxServeService(pb_grpc.JaxServeServicer):
     def close(self) -> None:
         self._large_texts.shutdown(wait=False, cancel_futures=True)
 
-    def _update_sessions(self) -> None:
-        self.metrics.active_sessions.set(len({s.session_id for s in self.active.values() if s.session_id}))
-
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no generation is in flight (for a graceful drain); False on timeout."""
-        end = time.monotonic() + timeout
-        while self.active and time.monotonic() < end:
-            await asyncio.sleep(0.02)
-        return not self.active
+        return await self.generations.wait_idle(timeout)
 
     # ------------------------------------------------------------------ other RPCs
     @_unary_errors
     async def Tokenize(self, request, context):
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
         check_text(request.text, self.limits, "the text")
-        ids = await self._off_loop(request.text, convert.encode_text, self.llm.tokenizer, request.text,
+        ids = await self.off_loop(request.text, convert.encode_text, self.llm.tokenizer, request.text,
                                    request.apply_chat_template, add)
         return pb.TokenizeResponse(token_ids=ids)
 
@@ -280,13 +273,5 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         """With API keys, a caller may abort only requests started with its own key; others'
         ids are reported not found (their existence is not disclosed)."""
         caller = self.keys.identity(context.invocation_metadata()) or ""
-        aborted, not_found, pending = [], [], []
-        for rid in dict.fromkeys(request.request_ids):  # each id once, order kept
-            stream = self.active.get(rid)
-            if stream is None or stream.owner != caller:
-                not_found.append(rid)
-            else:
-                pending.append((rid, asyncio.wrap_future(self.engine_loop.abort(stream.engine_id))))
-        for rid, fut in pending:
-            (aborted if await fut else not_found).append(rid)
+        aborted, not_found = await self.generations.abort(request.request_ids, caller)
         return pb.AbortResponse(aborted=aborted, not_found=not_found)

@@ -123,6 +123,20 @@ def test_streaming_deltas_add_up(llm, alone):
         assert sum(d.finished for d in deltas) == 1
 
 
+def test_streamed_logprobs_are_one_per_new_token_and_add_up(llm):
+    """RequestOutput.new_logprobs: one (logprob, top) per token of the delta, together the
+    completion's; None when the request asked for none."""
+    sp = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2)
+    by = {}
+    for d in llm.generate_stream([PROMPTS[2], PROMPTS[3]], [sp, GREEDY]):
+        by.setdefault(d.request_id, []).append(d)
+    with_lp, without = sorted(by.values(), key=lambda ds: ds[-1].completion.logprobs is None)
+    assert len(with_lp[-1].completion.logprobs) == 6
+    assert all(len(d.new_logprobs or []) == len(d.new_token_ids) for d in with_lp)
+    assert [x for d in with_lp for x in d.new_logprobs or []] == with_lp[-1].completion.logprobs
+    assert all(d.new_logprobs is None for d in without)
+
+
 def test_abort_frees_pages_at_once(llm):
     eng = llm.engine
     rid = eng.add_request(PROMPTS[3], SamplingParams(max_tokens=50, ignore_eos=True))

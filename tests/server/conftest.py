@@ -9,8 +9,10 @@ Generate UNAVAILABLE), so that observation is deterministic.
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -24,12 +26,15 @@ from .tiny_model import build_tiny_text_model
 ENGINE = dict(kv_format="float32", num_pages=64, page_size=8, max_num_seqs=8, max_prefill_seqs=2,
               prefill_chunk=32, max_num_batched_tokens=64, max_model_len=256)
 MAX_WAITING = 16
+MODEL_NAME = "tiny-llama"  # the served fixture's model name in the OpenAI HTTP API
 # The served fixture's limits: prompts up to 2 MiB (so a multi-MB text is tokenized while other
 # requests run), stream caps above the 8 streams per connection test_generate opens at once
 # and (in total) below MAX_WAITING, so a test can fill them while the engine is held.
 LIMITS = dict(max_prompt_bytes=2 << 20, max_streams_per_peer=10, max_streams=14, stream_idle_timeout_s=1.0)
 IDS_A = [312, 4093, 198, 1115, 27, 9804, 351, 17, 2032, 4110, 36, 720, 5, 87, 1501, 6612, 198, 42, 77, 908]
 IDS_B = [28, 9, 17012, 4422, 91, 118, 3, 4490, 6]
+CONVERSATION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."},
+                {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another one?"}]
 
 # name -> (prompt, build_request keyword arguments); the same keywords make the SamplingParams.
 CASES = {
@@ -40,6 +45,8 @@ CASES = {
     "min_p": (IDS_B, dict(max_tokens=10, temperature=1.3, min_p=0.05, seed=11, ignore_eos=True)),
     "penalties": (IDS_A[:13], dict(max_tokens=12, repetition_penalty=1.3, presence_penalty=0.5,
                                    frequency_penalty=0.4, ignore_eos=True)),
+    "multi_turn": (CONVERSATION, dict(max_tokens=10)),
+    "logprobs": (IDS_A[:9], dict(max_tokens=6, ignore_eos=True, logprobs=3)),
 }
 
 
@@ -54,6 +61,8 @@ def sampling_params(kw) -> SamplingParams:
 def expected_completion(llm, prompt, kw):
     if kw.get("chat_template"):
         prompt = llm.apply_chat_template(prompt)
+    elif isinstance(prompt[0], dict):  # a conversation: the checkpoint's chat template
+        prompt = llm.tokenizer.apply_chat_template(prompt)
     return llm.generate([prompt], sampling_params(kw))[0]
 
 
@@ -84,6 +93,15 @@ def cases(llm):
     return out
 
 
+@pytest.fixture(scope="session")
+def logprobs_reference(llm, cases):
+    """[T, vocab] log-probs of the "logprobs" case's output tokens from one prefill over prompt +
+    output (every position's logits at once), not the decode path that sampled them: row t
+    scores output token t. Computed before the server owns the engine."""
+    p, _, want = cases["logprobs"]
+    return llm.logprobs(list(p) + list(want)[:-1])[len(p) - 1:]
+
+
 @dataclasses.dataclass
 class Served:
     thread: object  # ServerThread
@@ -104,9 +122,18 @@ class Served:
     def kv(self):
         return self.client.model_info().kv_pages
 
+    def eventually_idle(self, timeout: float = 10.0) -> bool:
+        """No request in flight and every KV page back (cancels reach the engine a moment later)."""
+        return bool(eventually(lambda: not self.server.service.active and self.kv().used == 0, timeout))
+
+    @property
+    def http_target(self) -> str:
+        """The OpenAI API's base URL."""
+        return self.thread.http_target
+
 
 @pytest.fixture(scope="session")
-def served(llm, cases):
+def served(llm, cases, logprobs_reference):
     from jaxserve.client import Client
     from jaxserve.server.app import ServerThread
 
@@ -114,7 +141,8 @@ def served(llm, cases):
     llm.engine.warmup = lambda: (gate.wait(120), real_warmup())
     from jaxserve.server.limits import ServeLimits
 
-    st = ServerThread(llm, max_waiting=MAX_WAITING, replica_id="test-replica", limits=ServeLimits(**LIMITS)).start()
+    st = ServerThread(llm, max_waiting=MAX_WAITING, replica_id="test-replica", limits=ServeLimits(**LIMITS),
+                      http_port=0, served_model_name=MODEL_NAME).start()
     client = Client(st.target, timeout=60)
     boot = {"health": client.health(), "service_health": client.health("jaxserve.v1.JaxServe")}
     try:
@@ -123,6 +151,10 @@ def served(llm, cases):
     except grpc.RpcError as e:
         boot["generate"] = e.code()
     boot["info_while_warming"] = client.model_info().architecture  # metadata works before SERVING
+    base = st.http_target.removesuffix("/v1")
+    boot["http_health"] = http_call(base + "/health")
+    boot["http_chat"] = http_call(base + "/v1/chat/completions", {
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     gate.set()
     st.wait_ready()
     del llm.engine.warmup
@@ -130,6 +162,19 @@ def served(llm, cases):
     yield Served(st, client, boot)
     client.close()
     st.stop()
+
+
+def http_call(url: str, body: dict | None = None, headers: dict | None = None,
+              context=None) -> tuple[int, dict, dict]:
+    """GET (or POST `body` as JSON) -> (status, JSON body, response headers), errors included;
+    context: an ssl.SSLContext for https."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60, context=context) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), dict(e.headers)
 
 
 def scrape(port: int) -> dict:

@@ -6,12 +6,14 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
 
 from jaxserve.server.cli import main
 
+from .conftest import http_call
 from .serve_process import serve_args, server_env
 
 
@@ -42,13 +44,15 @@ def test_client_cli(served, cases, capsys):
 def test_serve_subprocess_warms_up_then_drains_on_sigterm(tiny_text_model):
     from jaxserve.client import Client
 
-    proc = subprocess.Popen(serve_args(tiny_text_model), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=server_env())
+    proc = subprocess.Popen(serve_args(tiny_text_model, "--http-port", "0"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=server_env())
     lines = []
     try:
-        target = None
+        target = http = None
         for line in proc.stdout:  # "listening on H:P ..." comes first, then "SERVING on H:P ..."
             lines.append(line)
+            if "HTTP API on" in line:
+                http = line.split(" on ")[1].split()[0]
             if "SERVING on" in line:
                 target = line.split("SERVING on ")[1].split()[0]
                 break
@@ -67,6 +71,9 @@ def test_serve_subprocess_warms_up_then_drains_on_sigterm(tiny_text_model):
             with pytest.raises(grpc.RpcError) as e:
                 client.generate([5, 6], max_tokens=2)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
+            status, body, headers = http_call(http + "/completions", {"model": Path(tiny_text_model).name,
+                                                                      "prompt": [5, 6], "max_tokens": 2})
+            assert status == 503 and "draining" in body["error"]["message"] and "retry-after" in headers
             for it in streams:  # ...and the running streams still finish
                 events = list(it)
                 assert events[-1].WhichOneof("event") == "end" and events[-1].end.usage.completion_tokens == 240

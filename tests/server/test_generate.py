@@ -49,7 +49,7 @@ def test_unary_and_stream_give_the_python_api_tokens(served, cases, name):
 
 
 def test_concurrent_requests_give_the_same_tokens(served, cases):
-    names = list(cases) * 2  # 16 requests (= MAX_WAITING) against max_num_seqs=8: batching and admission
+    names = list(cases) * 2  # 20 requests, 16 at a time (= MAX_WAITING), against max_num_seqs=8
 
     def run(i_name):
         i, name = i_name

@@ -1,6 +1,7 @@
 """API keys, TLS / mTLS, Abort ownership, the metrics endpoint on loopback, and a ModelInfo
 that does not disclose the checkpoint's path."""
 import asyncio
+import ssl
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -13,6 +14,7 @@ from jaxserve.client import Client, finish_reason
 from jaxserve.server.auth import ApiKeys, identity_of, keys_from, server_credentials
 
 from .certs import make_certs
+from .conftest import CONVERSATION, http_call
 from .serve_process import ServeProcess, serve_args, server_env
 
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
@@ -99,7 +101,7 @@ def test_serve_with_mtls_and_api_keys(tiny_text_model, cases, tmp_path, capsys, 
     certs = make_certs(tmp_path, ips=("127.0.0.2",))
     args = serve_args(tiny_text_model, "--host", "127.0.0.2", "--metrics-port", "0", "--api-key", "key-A",
                       "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
-                      "--tls-client-ca", str(certs.ca))
+                      "--tls-client-ca", str(certs.ca), "--http-port", "0")
     env = server_env(JAXSERVE_API_KEY="key-B")
     tls = dict(root_certificates=certs.ca.read_bytes(), private_key=certs.client_key.read_bytes(),
                certificate_chain=certs.client_cert.read_bytes())
@@ -108,6 +110,7 @@ def test_serve_with_mtls_and_api_keys(tiny_text_model, cases, tmp_path, capsys, 
         assert "TLS, 2 API key(s)" in listening, listening
         assert "metrics on 127.0.0.1," in listening, listening
         metrics_port = int(listening.split("metrics port ")[1].split(")")[0])
+        http_base = server.wait_for("OpenAI-compatible HTTP API on", timeout=30).split(" on ")[1].split()[0]
         target = server.wait_for("SERVING on", timeout=120).split("SERVING on ")[1].split()[0]
         assert target.startswith("127.0.0.2:")
         prompt, kw, want = cases["ids_greedy"]
@@ -125,6 +128,7 @@ def test_serve_with_mtls_and_api_keys(tiny_text_model, cases, tmp_path, capsys, 
             info = a.model_info()
             assert info.model == Path(tiny_text_model).name
             _check_abort_ownership(a, anon, target, tls)
+            _check_http(http_base, certs, a.generate(CONVERSATION, max_tokens=4).text, Path(tiny_text_model).name)
         _check_client_cli(target, certs, capsys, monkeypatch)
         with Client(target, api_key="key-A") as plain:  # TLS is required
             assert _code(lambda: plain.health(timeout=5)) == grpc.StatusCode.UNAVAILABLE
@@ -138,6 +142,26 @@ def test_serve_with_mtls_and_api_keys(tiny_text_model, cases, tmp_path, capsys, 
         server.proc.terminate()
         assert server.wait(timeout=30) == 0, server.output
     assert "key-A" not in server.output and "key-B" not in server.output
+
+
+def _check_http(base: str, certs, want_text: str, model: str):
+    """The HTTP API of the same server: TLS with a required client certificate, the same keys
+    (either header), /health open."""
+    assert base.startswith("https://127.0.0.2:") and base.endswith("/v1")
+    ctx = ssl.create_default_context(cafile=str(certs.ca))
+    ctx.load_cert_chain(str(certs.client_cert), str(certs.client_key))
+    body = {"model": model, "messages": CONVERSATION, "max_tokens": 4, "temperature": 0}
+    assert http_call(base.removesuffix("/v1") + "/health", context=ctx)[0] == 200
+    for headers in ({}, {"authorization": "Bearer key-C"}):
+        status, err, _ = http_call(base + "/chat/completions", body, headers, context=ctx)
+        assert status == 401 and err["error"]["type"] == "authentication_error"
+    assert http_call(base + "/models", context=ctx)[0] == 401
+    for headers in ({"authorization": "Bearer key-A"}, {"x-api-key": "key-B"}):
+        status, r, _ = http_call(base + "/chat/completions", body, headers, context=ctx)
+        assert status == 200 and r["choices"][0]["message"]["content"] == want_text
+    no_cert = ssl.create_default_context(cafile=str(certs.ca))
+    with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+        http_call(base + "/models", headers={"x-api-key": "key-A"}, context=no_cert)
 
 
 def _req(prompt, kw):

@@ -1,0 +1,131 @@
+"""The requests in flight, shared by both front ends (gRPC ``service.py``, HTTP ``openai_http.py``).
+
+A front end validates its request, then ``Generations.submit`` checks the server's phase,
+the id and the waiting queue, registers a ``RequestStream`` (plus one per extra choice when
+n > 1) and hands each to the engine thread, with no await in between (the id check and the
+registration are atomic). However the call ends, the front end calls ``finish`` once: it
+aborts whatever is still running (freeing its pages at once) and counts the outcome.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+
+from jaxserve.server import errors
+from jaxserve.server.engine_loop import EngineLoop, RequestStream
+
+log = logging.getLogger("jaxserve.server")
+
+
+class Generations:
+    def __init__(self, engine_loop: EngineLoop, metrics, max_waiting: int, max_num_seqs: int):
+        self.engine_loop = engine_loop
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self.max_num_seqs = max_num_seqs
+        self.phase = "warming up"  # -> "serving" -> "draining"; or "failed"
+        self.active: dict[str, RequestStream] = {}  # client request id -> stream (choice 0)
+        self._seq = itertools.count()
+
+    def check_serving(self) -> None:
+        if self.phase != "serving":
+            raise errors.unavailable(self.phase)
+
+    def submit(self, prompt_ids: list[int], params: list, request_id: str, session_id: str, owner: str,
+               arrival: float) -> RequestStream:
+        """Register and submit one engine request per SamplingParams in `params` (the choices);
+        -> choice 0's stream (the others in its ``choices``). Raises ServeError (UNAVAILABLE,
+        ALREADY_EXISTS, RESOURCE_EXHAUSTED with a retry hint) having submitted nothing."""
+        self.check_serving()
+        if request_id in self.active:
+            raise errors.already_exists(request_id)
+        waiting = self.engine_loop.waiting
+        if waiting >= self.max_waiting:
+            # Roughly the time for the running batch to turn over once.
+            hint = self.engine_loop.recent_duration_s * max(1, waiting) / max(1, self.max_num_seqs)
+            raise errors.queue_full(waiting, self.max_waiting, min(max(hint, 0.05), 30.0))
+        streams = [RequestStream(request_id, f"{request_id}#{next(self._seq)}", session_id, arrival, owner=owner,
+                                 index=i) for i in range(len(params))]
+        first = streams[0]
+        first.choices = streams[1:]
+        self.active[request_id] = first
+        if session_id:
+            self.metrics.session_requests.inc()
+        self._update_sessions()
+        for stream, p in zip(streams, params):
+            self.engine_loop.submit(stream, prompt_ids, p)
+        return first
+
+    def finish(self, stream: RequestStream | None, api: str, outcome: str) -> bool:
+        """Once per call: abort what still runs, count and log the outcome. -> True."""
+        if stream is not None:
+            if self.active.get(stream.request_id) is stream:
+                del self.active[stream.request_id]
+            for s in (stream, *stream.choices):
+                if not s.done:  # cancelled, expired or failed mid-way: free its pages now
+                    self.engine_loop.abort(s.engine_id)
+            self._update_sessions()
+        self.metrics.requests.labels(api, outcome).inc()
+        log.info("%s request=%s session=%s outcome=%s", api, stream.request_id if stream else "-",
+                 (stream.session_id or "-") if stream else "-", outcome)
+        return True
+
+    async def abort(self, request_ids, caller: str) -> tuple[list[str], list[str]]:
+        """Abort requests by client id (only the caller's own) -> (aborted, not found)."""
+        aborted, not_found, pending = [], [], []
+        for rid in dict.fromkeys(request_ids):  # each id once, order kept
+            stream = self.active.get(rid)
+            if stream is None or stream.owner != caller:
+                not_found.append(rid)
+            else:
+                futs = [asyncio.wrap_future(self.engine_loop.abort(s.engine_id)) for s in (stream, *stream.choices)]
+                pending.append((rid, futs))
+        for rid, futs in pending:
+            (aborted if any(await asyncio.gather(*futs)) else not_found).append(rid)
+        return aborted, not_found
+
+    def _update_sessions(self) -> None:
+        self.metrics.active_sessions.set(len({s.session_id for s in self.active.values() if s.session_id}))
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no generation is in flight (for a graceful drain); False on timeout."""
+        end = time.monotonic() + timeout
+        while self.active and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        return not self.active
+
+
+def terminal(ev):
+    """A terminal event -> (reason, usage, ttft, total), or the ServeError it stands for."""
+    if ev[0] == "error":
+        raise errors.from_exception(ev[1])
+    _, reason, usage, ttft, total, error = ev
+    if error is not None:  # the page tracker failed this request closed
+        raise errors.integrity_aborted(error)
+    return reason, usage, ttft, total
+
+
+async def choice_events(stream: RequestStream):
+    """(choice index, event) of every choice of `stream`, each choice's in order, up to and
+    including every choice's terminal event."""
+    if not stream.choices:
+        async for ev in stream.events():
+            yield 0, ev
+        return
+    streams = [stream, *stream.choices]
+    gens = [s.events() for s in streams]
+    pending = {asyncio.ensure_future(anext(g)): i for i, g in enumerate(gens)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                i = pending.pop(task)
+                ev = task.result()
+                yield i, ev
+                if ev[0] not in ("end", "error"):
+                    pending[asyncio.ensure_future(anext(gens[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()

@@ -1,0 +1,289 @@
+"""The OpenAI-compatible HTTP API (FastAPI on uvicorn), on the gRPC server's event loop and
+engine: /v1/chat/completions, /v1/completions, /v1/models and /health.
+
+Requests go through the same checks as gRPC (ids, limits, API keys) and the same
+``Generations`` (queue limit, drain, abort on disconnect); errors are OpenAI's JSON
+``{"error": {"message", "type", "param", "code"}}`` with the matching HTTP status (and
+``Retry-After`` on 429 / 503). A client that disconnects, mid-stream or while waiting for
+a whole response, has its request aborted and its pages freed at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from jaxserve.server import convert, errors
+from jaxserve.server import openai_api as api
+from jaxserve.server.errors import ServeError
+from jaxserve.server.generations import choice_events, terminal
+from jaxserve.server.limits import check_stop, check_text
+
+log = logging.getLogger("jaxserve.server")
+SESSION_HEADER, REPLICA_HEADER = "x-session-affinity", "x-jaxserve-replica"
+_C = grpc.StatusCode
+# gRPC status -> (HTTP status, OpenAI error type, code)
+STATUS = {
+    _C.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
+    _C.FAILED_PRECONDITION: (400, "invalid_request_error", "unsupported"),
+    _C.UNAUTHENTICATED: (401, "authentication_error", "invalid_api_key"),
+    _C.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    _C.ALREADY_EXISTS: (409, "invalid_request_error", "conflict"),
+    _C.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "queue_full"),
+    _C.ABORTED: (500, "server_error", "integrity_check_failed"),
+    _C.INTERNAL: (500, "server_error", "internal_error"),
+    _C.UNAVAILABLE: (503, "service_unavailable", "unavailable"),
+    _C.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
+}
+
+
+def error_body(err: ServeError) -> dict:
+    _, kind, code = STATUS.get(err.code, STATUS[_C.INTERNAL])
+    return {"error": {"message": err.message, "type": kind, "param": err.param, "code": code}}
+
+
+def error_response(err: ServeError) -> JSONResponse:
+    headers = {}
+    if err.retry_after_s is not None:  # HTTP's Retry-After is whole seconds; OpenAI's clients also read -ms
+        headers = {"retry-after": str(max(1, math.ceil(err.retry_after_s))),
+                   "retry-after-ms": str(max(1, round(err.retry_after_s * 1000)))}
+    return JSONResponse(error_body(err), STATUS.get(err.code, STATUS[_C.INTERNAL])[0], headers)
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class EventStream(StreamingResponse):
+    """A text/event-stream response that watches for the client going away: when it does,
+    the body iterator is cancelled and closed. ``on_close()`` runs however the response
+    ends (even if the body was never started): it aborts what still runs and counts it."""
+
+    def __init__(self, body, headers: dict, on_close):
+        super().__init__(body, 200, dict(headers, **{"cache-control": "no-cache"}), "text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def stream():
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        writer, watcher = asyncio.ensure_future(stream()), asyncio.ensure_future(until_disconnect(receive))
+        try:
+            await asyncio.wait({writer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (writer, watcher):
+                task.cancel()
+            await asyncio.gather(writer, watcher, return_exceptions=True)
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                self.on_close()
+
+
+async def until_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIFrontEnd:
+    """The HTTP routes over a ``JaxServeService`` (its generations, limits, keys, tokenizer)."""
+
+    def __init__(self, service, model_name: str):
+        self.service, self.gens = service, service.generations
+        self.model_name = model_name
+        self.created = api.now()
+        self.fingerprint = "jaxserve-" + service.info.fingerprint[:12]
+        self.text_of = api.TokenText(service.llm.tokenizer)
+        app = self.app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_exception_handler(HTTPException, self._http_error)
+
+    async def _http_error(self, request, exc: HTTPException):
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse({"error": {"message": str(exc.detail), "type": kind, "param": None,
+                                       "code": exc.status_code}}, exc.status_code)
+
+    def _owner(self, request: Request) -> str:
+        owner = self.service.keys.identity(list(request.headers.items()))
+        if owner is None:
+            raise errors.unauthenticated()
+        return owner
+
+    async def health(self, request: Request):
+        phase = self.gens.phase
+        if phase != "serving":
+            return error_response(errors.unavailable(phase))
+        return JSONResponse({"status": "serving", "model": self.model_name})
+
+    async def models(self, request: Request):
+        try:
+            self._owner(request)
+        except ServeError as e:
+            return error_response(e)
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "jaxserve",
+            "max_model_len": self.service.info.max_context}]})
+
+    async def chat(self, request: Request):
+        return await self._generate(request, api.parse_chat, "http.chat")
+
+    async def completions(self, request: Request):
+        return await self._generate(request, api.parse_completion, "http.completions")
+
+    async def _generate(self, request: Request, parse, label: str):
+        client = request.client  # None on a unix socket: one peer for all
+        arrival, slot = time.perf_counter(), False
+        peer = f"http:{client.host}:{client.port}" if client is not None else "http:local"
+        try:
+            owner = self._owner(request)
+            req = parse(await self._body(request))
+            if req.model != self.model_name:
+                raise errors.not_found(f"the model {req.model!r} does not exist; this server serves "
+                                       f"{self.model_name!r} (GET /v1/models)", "model")
+            session = req.session_id or request.headers.get(SESSION_HEADER, "")
+            convert.check_id("session_id" if req.session_id else SESSION_HEADER, session,
+                             self.service.max_id_length)
+            self.gens.check_serving()
+            check_stop(req.stop, req.sampling["stop_token_ids"], self.service.limits)
+            check_text(req.text, self.service.limits)
+            ids = await self._prompt_ids(req)
+            info = self.service.info
+            params = req.params(len(ids), info.max_context, info.max_num_seqs)
+            if req.stream:
+                self.service.slots.acquire(peer)
+                slot = True
+            rid = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
+            stream = self.gens.submit(ids, params, rid, session, owner, arrival)
+        except ServeError as e:
+            if slot:
+                self.service.slots.release(peer)
+            self.service.metrics.requests.labels(label, e.outcome).inc()
+            return error_response(e)
+        headers = {"x-request-id": rid, REPLICA_HEADER: info.replica_id}
+        if session:
+            headers[SESSION_HEADER] = session
+        if req.stream:
+            state = {"outcome": "cancelled"}  # until the stream says otherwise
+
+            def close():
+                self.service.slots.release(peer)
+                self.gens.finish(stream, label, state["outcome"])
+
+            return EventStream(self._events(req, stream, state), headers, close)
+        work = asyncio.ensure_future(self._collect(req, stream, label))
+        watcher = asyncio.ensure_future(until_disconnect(request.receive))
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this handler is cancelled (the server stopping): nothing runs on
+            for task in (work, watcher):
+                task.cancel()
+            await asyncio.gather(work, watcher, return_exceptions=True)
+        if not work.done() or work.cancelled():
+            return Response(status_code=499)  # nobody is listening any more
+        body, status = work.result()
+        return JSONResponse(body, status, headers if status == 200 else None)
+
+    async def _body(self, request: Request):
+        limit = 6 * self.service.limits.max_prompt_bytes + (1 << 20)  # JSON escapes take up to 6 bytes
+        if int(request.headers.get("content-length") or 0) > limit:
+            raise errors.invalid_argument(f"the request body is over {limit} bytes (--max-prompt-bytes)")
+        try:
+            return json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise errors.invalid_argument(f"the body is not valid JSON: {e}") from None
+
+    async def _prompt_ids(self, req) -> list[int]:
+        tok = self.service.llm.tokenizer
+        if req.messages is not None:
+            return await self.service.off_loop(req.text, convert.encode_chat, tok, req.messages)
+        if isinstance(req.prompt, str):
+            return await self.service.off_loop(req.prompt, convert.encode_text, tok, req.prompt, False)
+        return list(req.prompt)
+
+    def _logprobs(self, req, token_ids, logprobs, offset: int):
+        if req.logprobs is None or logprobs is None:
+            return None
+        if req.chat:
+            return {"content": self.text_of.chat_logprobs(token_ids, logprobs)}
+        return self.text_of.completion_logprobs(token_ids, logprobs, offset)
+
+    def _envelope(self, req, stream, chunk: bool) -> dict:
+        return api.envelope(req, stream.request_id, self.model_name, api.now(), self.fingerprint, chunk)
+
+    async def _collect(self, req, stream, label: str) -> tuple[dict, int]:
+        """The whole response -> (body, HTTP status); the outcome is counted here."""
+        outcome = "internal"
+        try:
+            n = 1 + len(stream.choices)
+            ids, texts, lps, ends = [[] for _ in range(n)], [""] * n, [[] for _ in range(n)], [None] * n
+            async for i, ev in choice_events(stream):
+                if ev[0] == "delta":
+                    ids[i] += ev[1]
+                    texts[i] += ev[2]
+                    lps[i] += ev[3] or []
+                elif ev[0] in ("end", "error"):
+                    ends[i] = terminal(ev)
+            outcome = ends[0][0]
+            body = self._envelope(req, stream, chunk=False)
+            body["choices"] = [api.choice(req, i, texts[i], ends[i][0], self._logprobs(req, ids[i], lps[i], 0))
+                               for i in range(n)]
+            first = ends[0][1]
+            body["usage"] = api.usage(first.prompt_tokens, sum(e[1].completion_tokens for e in ends),
+                                      first.cached_tokens)
+            return body, 200
+        except ServeError as e:
+            outcome = e.outcome
+            return error_body(e), STATUS.get(e.code, STATUS[_C.INTERNAL])[0]
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self.gens.finish(stream, label, outcome)
+
+    async def _events(self, req, stream, state: dict):
+        """The SSE body: chunks per choice, a usage chunk if asked, then ``data: [DONE]``;
+        state["outcome"]: how it ended (the response's on_close counts it)."""
+        n = 1 + len(stream.choices)
+        prompt, cached, completion, offsets = [0] * n, [0] * n, [0] * n, [0] * n
+        try:
+            async for i, ev in choice_events(stream):
+                out = self._envelope(req, stream, chunk=True)
+                if ev[0] == "start":
+                    prompt[i], cached[i] = ev[1], ev[2]
+                    if not req.chat:
+                        continue
+                    out["choices"] = [api.chunk_choice(req, i, "", None, None, first=True)]
+                elif ev[0] == "delta":
+                    lp = self._logprobs(req, ev[1], ev[3], offsets[i])
+                    offsets[i] += len(ev[2])
+                    if not ev[2] and lp is None:
+                        continue
+                    out["choices"] = [api.chunk_choice(req, i, ev[2], None, lp)]
+                else:
+                    reason, usage, _, _ = terminal(ev)
+                    if i == 0:
+                        state["outcome"] = reason
+                    completion[i] = usage.completion_tokens
+                    out["choices"] = [api.chunk_choice(req, i, None if req.chat else "", reason, None)]
+                yield sse(out)
+            if req.include_usage:
+                yield sse(dict(self._envelope(req, stream, chunk=True), choices=[],
+                               usage=api.usage(prompt[0], sum(completion), cached[0])))
+        except ServeError as e:
+            state["outcome"] = e.outcome
+            yield sse(error_body(e))
+        yield b"data: [DONE]\n\n"
