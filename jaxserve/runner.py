@@ -22,6 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import hashlib
+
+from jaxserve.handoff_programs import HandoffPrograms
+from jaxserve.kv.handoff import KvPayload
 from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, pad_updates
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.attention_backends import get_backend
@@ -96,7 +100,14 @@ class ModelRunner:
         quantize_tied_head: bool = False,
         prefill_from_decode_weights: bool = False,
         strict: bool = False,
+        role: str = "both",
     ):
+        """role: "both"; "prefill" (only the prefill weights are built: no decode program);
+        "decode" (prefill reads the decode copy: one resident copy). A prefill or decode role
+        also hashes the weights as loaded (``source_digest``), for the handoff fingerprint."""
+        if role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode, got {role!r}")
+        self.role = role
         self.cfg = model.cfg
         self.fmt = fmt
         self.num_pages = num_pages
@@ -113,12 +124,17 @@ class ModelRunner:
         self.matmul_backend = resolve_backend(matmul_backend)
         if self.matmul_backend == "interpret" and mesh is not None:
             raise ValueError("the interpreted Pallas matmuls are single-device; use matmul_backend='cpu' with a mesh")
+        self.source_digest = weights_digest(jax.tree.leaves(state)) if role != "both" else ""
+        if role == "decode":
+            prefill_weights, prefill_from_decode_weights = None, True
         # Each phase's own weight representation (None: the loaded weights), one copy where one suffices.
         self.weight_formats, states = phase_states(state, prefill_weights, decode_weights, mesh, quantize_tied_head,
-                                                   prefill_from_decode_weights)
+                                                   prefill_from_decode_weights,
+                                                   only="prefill" if role == "prefill" else None)
         self.phase_params = {p: jax.tree.flatten(s) for p, s in states.items()}
-        if states["prefill"] is states["decode"]:
+        if states["prefill"] is states.get("decode"):
             self.phase_params["prefill"] = self.phase_params["decode"]
+        self.handoff = HandoffPrograms(model.init_kv, self.cfg.architecture, fmt, page_size, self.max_pages_per_seq)
         self._commit_inputs(model.init_kv(num_pages, page_size, fmt))
         self.params, self.treedef = self.phase_params["prefill"]
         self._jitted: dict = {}
@@ -143,7 +159,8 @@ class ModelRunner:
 
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of each phase's weights, and of what is resident (an array both phases read counts once)."""
-        out = {p: int(sum(x.nbytes for x in leaves)) for p, (leaves, _) in self.phase_params.items()}
+        out = {p: 0 for p in ("prefill", "decode")}  # a phase this role does not hold: 0
+        out.update({p: int(sum(x.nbytes for x in leaves)) for p, (leaves, _) in self.phase_params.items()})
         unique = {id(x): x.nbytes for leaves, _ in self.phase_params.values() for x in leaves}
         out["resident"] = int(sum(unique.values()))
         return out
@@ -151,7 +168,7 @@ class ModelRunner:
     def weight_paths(self) -> dict[str, str]:
         """Per phase, the matmul paths its weights run on: 'int8 -> cpu:w8a8 (...)', one per
         stored format ('as loaded -> xla:dot (...)' for plain arrays)."""
-        out = {}
+        out = {p: "not held (a prefill worker)" for p in ("prefill", "decode")}
         for phase, (leaves, treedef) in self.phase_params.items():
             stored = jax.tree.leaves(jax.tree.unflatten(treedef, leaves), is_leaf=lambda x: isinstance(x, PhaseWeight))
             formats = sorted({x.qw.format for x in stored if isinstance(x, PhaseWeight)})
@@ -186,6 +203,8 @@ class ModelRunner:
         """The checked program `name` ("prefill" | "decode"), jitted once; with ``all_logits``
         the scoring variant (logits at every position, not part of serving)."""
         key = name + ("/all_logits" if all_logits else "")
+        if name not in self.phase_params:
+            raise RuntimeError(f"a {self.role} worker holds no {name} weights: it has no {name} program")
         if key not in self._jitted:
             forward, tracker = self._model_fn(all_logits, name), self.tracker
 
@@ -275,10 +294,51 @@ class ModelRunner:
             self._jitted["last_logits"] = jax.jit(self._model_fn(False), donate_argnums=(1,))
         return self._jitted["last_logits"]
 
+    # ------------------------------------------------------------------ KV handoff
+    def export_pages(self, pages: list[int], fmt: str) -> KvPayload:
+        """A request's pages gathered out of the pool, converted to KV format ``fmt`` and
+        digested on device (``HandoffPrograms.export``): a snapshot, the pool is not changed."""
+        return self._counted(lambda: self.handoff.export(self.kv, pages, fmt), "KV export")
+
+    def import_pages(self, pages: list[int], payload: KvPayload, expected) -> tuple[bool, str]:
+        """Write ``payload`` into ``pages`` if its digest on device equals ``expected`` (uint32
+        [2]); -> (ok, the digest found, as hex). A mismatch writes nothing."""
+        from jaxserve.kv.handoff import digest_hex
+
+        def run():
+            self.kv, ok, got = self.handoff.import_(self.kv, self.num_pages, pages, payload, expected)
+            return bool(ok), digest_hex(got)
+
+        return self._counted(run, "KV import")
+
+    def _counted(self, fn, what: str):
+        before = self.handoff.compiled()
+        out = fn()
+        if self.warm and self.handoff.compiled() != before:
+            self.compiles_after_warmup += 1
+            if self.strict:
+                raise RecompilationError(f"{what} program compiled after warm-up")
+            log.warning("%s program compiled after warm-up (counted in compiles_after_warmup)", what)
+        return out
+
+    def warmup_handoff(self, export_formats: list[str], imports: bool) -> None:
+        """Compile the KV export (to each of ``export_formats``) and import programs, every
+        page-count bucket (the all-null page lists write nothing)."""
+        for b in self.handoff.buckets:
+            pages = [0] * b
+            for fmt in export_formats:
+                payload = self.handoff.export(self.kv, pages, fmt)
+            if imports:
+                payload = self.handoff.export(self.kv, pages, self.fmt.name)
+                self.kv, _, _ = self.handoff.import_(self.kv, self.num_pages, [self.num_pages] * b, payload,
+                                                     np.zeros(2, np.uint32))
+
     # ------------------------------------------------------------------ warm-up
     def warmup(self, decode_batches: list[int], prefill_shapes: list[tuple[int, int]]) -> None:
         """Compile every serving bucket now (page tables of padding rows are all null)."""
         m = self.max_pages_per_seq
+        if "decode" not in self.phase_params:
+            decode_batches = []
         for phase, shapes in (("decode", [(b, 1) for b in decode_batches]), ("prefill", prefill_shapes)):
             for b, t in shapes:
                 z = np.zeros((b,), np.int32)
@@ -294,3 +354,13 @@ class ModelRunner:
                 size *= 2
         self.warm = True
 
+
+
+def weights_digest(leaves) -> str:
+    """sha256 over arrays: per array its index, dtype and shape, then its bytes (in order)."""
+    h = hashlib.sha256()
+    for i, leaf in enumerate(leaves):
+        a = np.ascontiguousarray(np.asarray(leaf))
+        h.update(f"{i}:{a.dtype.name}:{a.shape};".encode())
+        h.update(a.reshape(-1).view(np.uint8))
+    return h.hexdigest()

@@ -15,7 +15,9 @@ detokenizes, checks stop conditions and builds the outputs.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
+import json
 import time
 from typing import Callable
 
@@ -30,7 +32,8 @@ from jaxserve.engine.outputs import Completion, EngineSnapshot, RequestOutput, S
 from jaxserve.engine.sampler import sample_rows, sample_sequences
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.sequence import KvHandoffError, KvImport, Sequence
+from jaxserve.kv import handoff
 from jaxserve.kv import memory as kv_memory
 from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, TrackerStats, integrity_errors
 from jaxserve.runner import ModelRunner, bucket, pick_bucket, pow2_buckets, token_buckets
@@ -62,6 +65,7 @@ class LLMEngine:
             attention_backend=config.attention_backend or default_attention_backend(),
             matmul_backend=config.matmul_backend, quantize_tied_head=config.quantize_tied_head,
             prefill_from_decode_weights=config.prefill_from_decode_weights, strict=config.strict_compiles,
+            role=config.role,
         )
         # Prefill programs: rows in powers of two, tokens in token_buckets (compiled at warm-up).
         self.prefill_token_buckets = token_buckets(16, min(config.prefill_chunk, config.max_num_batched_tokens))
@@ -105,16 +109,30 @@ class LLMEngine:
         return lambda: self._observers.remove(fn)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt_ids, params: SamplingParams, request_id: str | None = None) -> str:
-        """Validate and queue a request; returns its id. Bad input raises ValueError."""
+    def add_request(self, prompt_ids, params: SamplingParams, request_id: str | None = None,
+                    export_kv: str | None = None, kv_import: KvImport | None = None) -> str:
+        """Validate and queue a request; returns its id. Bad input raises ValueError.
+
+        KV handoff: with ``export_kv`` (a KV format name) the request stops after its first
+        token and its last output carries the prompt's pages in that format (``kv_export``);
+        with ``kv_import`` its prompt's pages come from another engine (mapped under this
+        engine's own page ids at admission, digest checked on device) and it continues from
+        the first token that engine sampled."""
+        if self.config.role == "prefill" and export_kv is None:
+            raise ValueError("a prefill worker only prefills for a KV handoff (export_kv)")
+        if export_kv is not None:
+            self.runner.handoff.layout(export_kv)  # ValueError for an unknown format
+            params = dataclasses.replace(params, max_tokens=1)
         ids = self._check_prompt(prompt_ids, params.max_tokens)
+        if kv_import is not None:
+            self._check_import(kv_import, ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         old = self.outputs.get(rid)
         if old is not None and not old.finished:
             raise ValueError(f"request id {rid!r} is already running")
         # Any integer seed works: it is folded into the 31-bit range the PRNG key takes.
         seed = params.seed % 2**31 if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
-        seq = Sequence(rid, ids, params, seed)
+        seq = Sequence(rid, ids, params, seed, export_kv=export_kv, kv_import=kv_import)
         self.outputs.add(seq)
         self.scheduler.add(seq)
         return rid
@@ -135,6 +153,33 @@ class LLMEngine:
         if total > self.pool_tokens:
             raise ValueError(f"prompt + max_tokens = {total} tokens exceeds the whole KV pool ({self.pool_tokens})")
         return ids
+
+    def _check_import(self, imp: KvImport, ids: list[int]) -> None:
+        p = imp.payload
+        if self.config.role == "prefill":
+            raise ValueError("a prefill worker does not decode handed-off requests")
+        if p.fmt != self.runner.fmt.name or p.num_pages != -(-len(ids) // self.config.page_size):
+            raise ValueError(f"the handed-off KV ({p.num_pages} {p.fmt} pages) does not fit a {len(ids)}-token "
+                             f"prompt in {self.runner.fmt.name} pages of {self.config.page_size}")
+        if not 0 <= imp.first_token < self.cfg.vocab_size:
+            raise ValueError(f"first token {imp.first_token} outside the vocabulary")
+
+    def kv_layout(self, fmt: str | None = None) -> str:
+        """This engine's KV layout signature (in ``fmt``; default its pool's format)."""
+        return self.runner.handoff.layout(fmt)
+
+    def handoff_fingerprint(self) -> str:
+        """sha256 over the weights as loaded and every phase's declared format: equal on a
+        prefill and a decode worker of one deployment ('' for a "both" engine, which does
+        not hash its weights)."""
+        if not self.runner.source_digest:
+            return ""
+        c = self.config
+        ident = dict(weights=self.runner.source_digest, architecture=self.cfg.architecture,
+                     dtype=np.dtype(self.runner.dtype).name,
+                     prefill_weights=c.prefill_weights, decode_weights=c.decode_weights,
+                     quantize_tied_head=c.quantize_tied_head, prefill_from_decode_weights=c.prefill_from_decode_weights)
+        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its pages; its final output (finish_reason "abort") comes
@@ -164,6 +209,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.runner.apply_generation_updates(*self.bm.take_generation_updates())
         events: dict[str, list[int]] = {}  # request id -> token ids sampled this step
+        for seq in sched.imported:
+            self._map_imported(seq, events)
         if sched.prefill:
             chunks = [c for c in sched.prefill if not c.seq.finished]
             rows = [(c.seq, c.seq.all_ids[c.start : c.start + c.num_tokens], c.start) for c in chunks]
@@ -191,12 +238,34 @@ class LLMEngine:
             self._sample(res.logits, to_sample, events)
         return self._collect(events, sched)
 
+    def _map_imported(self, seq: Sequence, events) -> None:
+        """Write a handed-off request's pages (digest checked on device first), register them
+        in the prefix cache and append the first token; a mismatch writes nothing and fails
+        the request, or queues it to prefill here (recompute_on_failure)."""
+        imp = seq.kv_import
+        n = imp.payload.num_pages
+        ok, got = self.runner.import_pages(seq.pages[:n], imp.payload, handoff.parse_digest(imp.digest))
+        if not ok:
+            if imp.recompute_on_failure:
+                self.scheduler.requeue(seq)
+            else:
+                self._finish(seq, "abort", KvHandoffError(seq.request_id, "digest_mismatch",
+                                                          f"expected {imp.digest}, the pages hold {got}"))
+            return
+        seq.kv_import = None  # mapped: a later preemption recomputes from the tokens
+        self.bm.commit_full_pages(seq.request_id, seq.prompt_ids)
+        events.setdefault(seq.request_id, []).append(imp.first_token)
+        reason = self.outputs.append(seq, imp.first_token, 0.0, None, time.perf_counter())
+        if reason is not None:
+            self._finish(seq, reason)
+
     def _collect(self, events, sched) -> list[RequestOutput]:
         """Outputs of this step: sampled tokens, finished requests, and admissions (the first
         output of each request says started=True, with or without tokens)."""
         seqs = {rid: self.outputs.get(rid) for rid in events}
         seqs.update((s.request_id, s) for s in self._just_finished)
         seqs.update((c.seq.request_id, c.seq) for c in sched.prefill)
+        seqs.update((s.request_id, s) for s in sched.imported)
         self._just_finished = []
         outs = []
         for rid, s in seqs.items():
@@ -261,6 +330,11 @@ class LLMEngine:
     def _finish(self, s: Sequence, reason: str, error: Exception | None = None) -> None:
         if s.finished:
             return
+        if s.export_kv is not None and reason in ("stop", "length") and s.output_ids:
+            # The prompt's pages (its KV is complete: the first token was sampled from it),
+            # gathered before the pages are released.
+            s.kv_export = self.runner.export_pages(s.pages[: self.bm.pages_for(len(s.prompt_ids))], s.export_kv)
+            s.kv_export.token_ids = list(s.prompt_ids)
         self.scheduler.finish(s, reason, error)
         self.outputs.finished(s, reason)
         self._just_finished.append(s)
@@ -274,6 +348,9 @@ class LLMEngine:
         decode = pow2_buckets(1, c.max_num_seqs)
         prefill_b = pow2_buckets(1, c.max_prefill_seqs)
         self.runner.warmup(decode, [(b, t) for b in prefill_b for t in self.prefill_token_buckets])
+        if c.role != "both":  # the KV handoff programs: export on a prefill worker, import on a decode worker
+            exports = sorted({self.runner.fmt.name, c.kv_handoff_format or "fp8_e4m3"}) if c.role == "prefill" else []
+            self.runner.warmup_handoff(exports, imports=c.role == "decode")
         v = self.cfg.vocab_size
         for rows in sorted(set(decode) | set(prefill_b)):
             for n in pow2_buckets(1, rows):

@@ -120,6 +120,7 @@ class OutputProcessor:
             s.request_id, list(new_ids), delta, s.finished, s.finish_reason, s.error,
             self.completion(s) if s.finished else None,
             started=started, prompt_tokens=len(s.prompt_ids), cached_tokens=s.num_cached_tokens,
+            kv_export=s.kv_export if s.finished else None,
         )
 
     def completion(self, s: Sequence) -> Completion:

@@ -34,6 +34,9 @@ class RequestOutput:
     started: bool = False
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # A request added with export_kv: its prompt's pages (a jaxserve.kv.handoff.KvPayload) on
+    # its last output, when it finished with its first token.
+    kv_export: object = None
 
 
 class Completion(list):
