@@ -5,12 +5,15 @@ pool only if the digest matches). ``ModelRunner`` owns one and runs them on its 
 """
 from __future__ import annotations
 
+import hashlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.kv import handoff
 from jaxserve.kv.formats import KVFormat, get_kv_format, kv_format_names
+from jaxserve.kv.handoff import KvPayload, digest_hex
 
 
 class HandoffPrograms:
@@ -105,3 +108,51 @@ class HandoffPrograms:
     def compiled(self) -> int:
         """Programs compiled so far (every bucket of every variant)."""
         return sum(f._cache_size() for f in self._jitted.values())
+
+
+class HandoffRunnerMixin:
+    """``ModelRunner``'s KV handoff methods (its pools are ``self.kv``; ``self.handoff`` its
+    ``HandoffPrograms``)."""
+
+    def export_pages(self, pages: list[int], fmt: str) -> KvPayload:
+        """A request's pages gathered out of the pool, converted to KV format ``fmt`` and
+        digested on device (``HandoffPrograms.export``): a snapshot, the pool is not changed."""
+        return self._counted(lambda: self.handoff.export(self.kv, pages, fmt), "KV export")
+
+    def import_pages(self, pages: list[int], payload: KvPayload, expected) -> tuple[bool, str]:
+        """Write ``payload`` into ``pages`` if its digest on device equals ``expected`` (uint32
+        [2]); -> (ok, the digest found, as hex). A mismatch writes nothing."""
+        def run():
+            self.kv, ok, got = self.handoff.import_(self.kv, self.num_pages, pages, payload, expected)
+            return bool(ok), digest_hex(got)
+
+        return self._counted(run, "KV import")
+
+    def _counted(self, fn, what: str):
+        before = self.handoff.compiled()
+        out = fn()
+        if self.warm and self.handoff.compiled() != before:
+            self.recompiled(f"{what} program compiled after warm-up")
+        return out
+
+    def warmup_handoff(self, export_formats: list[str], imports: bool) -> None:
+        """Compile the KV export (to each of ``export_formats``) and import programs, every
+        page-count bucket (the all-null page lists write nothing)."""
+        for b in self.handoff.buckets:
+            pages = [0] * b
+            for fmt in export_formats:
+                payload = self.handoff.export(self.kv, pages, fmt)
+            if imports:
+                payload = self.handoff.export(self.kv, pages, self.fmt.name)
+                self.kv, _, _ = self.handoff.import_(self.kv, self.num_pages, [self.num_pages] * b, payload,
+                                                     np.zeros(2, np.uint32))
+
+
+def weights_digest(leaves) -> str:
+    """sha256 over arrays: per array its index, dtype and shape, then its bytes (in order)."""
+    h = hashlib.sha256()
+    for i, leaf in enumerate(leaves):
+        a = np.ascontiguousarray(np.asarray(leaf))
+        h.update(f"{i}:{a.dtype.name}:{a.shape};".encode())
+        h.update(a.reshape(-1).view(np.uint8))
+    return h.hexdigest()

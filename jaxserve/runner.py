@@ -22,10 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import hashlib
-
-from jaxserve.handoff_programs import HandoffPrograms
-from jaxserve.kv.handoff import KvPayload
+from jaxserve.handoff_programs import HandoffPrograms, HandoffRunnerMixin, weights_digest
 from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, pad_updates
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.attention_backends import get_backend
@@ -83,7 +80,7 @@ class StepResult:
     cause: np.ndarray  # int32 [B] page_tracker cause codes
 
 
-class ModelRunner:
+class ModelRunner(HandoffRunnerMixin):
     def __init__(
         self,
         model,
@@ -271,12 +268,15 @@ class ModelRunner:
             jnp.asarray(expected, jnp.int32), jnp.asarray(num_pages_used, jnp.int32),
         )
         if self.warm and not all_logits and fn._cache_size() != before:
-            self.compiles_after_warmup += 1
-            msg = f"{phase} program compiled after warm-up for shape tokens={tuple(inp.tokens.shape)}"
-            if self.strict:
-                raise RecompilationError(msg)
-            log.warning("%s (a shape escaped the warm-up buckets: counted in compiles_after_warmup)", msg)
+            self.recompiled(f"{phase} program compiled after warm-up for shape tokens={tuple(inp.tokens.shape)}")
         return StepResult(logits, np.asarray(ok), np.asarray(cause))
+
+    def recompiled(self, msg: str) -> None:
+        """A serving program compiled after warm-up: counted; raises when strict."""
+        self.compiles_after_warmup += 1
+        if self.strict:
+            raise RecompilationError(msg)
+        log.warning("%s (a shape escaped the warm-up buckets: counted in compiles_after_warmup)", msg)
 
     def run(self, tokens, cached_lens, new_lens, page_table, all_logits: bool = False) -> jax.Array:
         """Unchecked forward for tests and scoring (pages chosen by the caller).
@@ -293,45 +293,6 @@ class ModelRunner:
         if "last_logits" not in self._jitted:
             self._jitted["last_logits"] = jax.jit(self._model_fn(False), donate_argnums=(1,))
         return self._jitted["last_logits"]
-
-    # ------------------------------------------------------------------ KV handoff
-    def export_pages(self, pages: list[int], fmt: str) -> KvPayload:
-        """A request's pages gathered out of the pool, converted to KV format ``fmt`` and
-        digested on device (``HandoffPrograms.export``): a snapshot, the pool is not changed."""
-        return self._counted(lambda: self.handoff.export(self.kv, pages, fmt), "KV export")
-
-    def import_pages(self, pages: list[int], payload: KvPayload, expected) -> tuple[bool, str]:
-        """Write ``payload`` into ``pages`` if its digest on device equals ``expected`` (uint32
-        [2]); -> (ok, the digest found, as hex). A mismatch writes nothing."""
-        from jaxserve.kv.handoff import digest_hex
-
-        def run():
-            self.kv, ok, got = self.handoff.import_(self.kv, self.num_pages, pages, payload, expected)
-            return bool(ok), digest_hex(got)
-
-        return self._counted(run, "KV import")
-
-    def _counted(self, fn, what: str):
-        before = self.handoff.compiled()
-        out = fn()
-        if self.warm and self.handoff.compiled() != before:
-            self.compiles_after_warmup += 1
-            if self.strict:
-                raise RecompilationError(f"{what} program compiled after warm-up")
-            log.warning("%s program compiled after warm-up (counted in compiles_after_warmup)", what)
-        return out
-
-    def warmup_handoff(self, export_formats: list[str], imports: bool) -> None:
-        """Compile the KV export (to each of ``export_formats``) and import programs, every
-        page-count bucket (the all-null page lists write nothing)."""
-        for b in self.handoff.buckets:
-            pages = [0] * b
-            for fmt in export_formats:
-                payload = self.handoff.export(self.kv, pages, fmt)
-            if imports:
-                payload = self.handoff.export(self.kv, pages, self.fmt.name)
-                self.kv, _, _ = self.handoff.import_(self.kv, self.num_pages, [self.num_pages] * b, payload,
-                                                     np.zeros(2, np.uint32))
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self, decode_batches: list[int], prefill_shapes: list[tuple[int, int]]) -> None:
@@ -355,12 +316,3 @@ class ModelRunner:
         self.warm = True
 
 
-
-def weights_digest(leaves) -> str:
-    """sha256 over arrays: per array its index, dtype and shape, then its bytes (in order)."""
-    h = hashlib.sha256()
-    for i, leaf in enumerate(leaves):
-        a = np.ascontiguousarray(np.asarray(leaf))
-        h.update(f"{i}:{a.dtype.name}:{a.shape};".encode())
-        h.update(a.reshape(-1).view(np.uint8))
-    return h.hexdigest()
