@@ -99,7 +99,8 @@ class Server:
         else:
             self.port = self._grpc.add_secure_port(address, self.credentials)
         if self.info.role != "both":
-            self.handoff = KvHandoffService(self.service, self.llm.engine, self.target, **self.handoff_options)
+            self.handoff = KvHandoffService(self.service, self.llm.engine, self.metrics, self.target,
+                                            **self.handoff_options)
             hpb_grpc.add_KvHandoffServicer_to_server(self.handoff, self._grpc)
             self._handoff_watch = asyncio.ensure_future(self.handoff.watch_offers())
             names += (HANDOFF_SERVICE_NAME,)

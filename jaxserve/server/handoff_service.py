@@ -51,19 +51,6 @@ class Offer:
     expires: float  # time.time()
 
 
-@dataclasses.dataclass
-class HandoffStats:
-    offers: int = 0
-    released: int = 0
-    expired: int = 0
-    pulls: int = 0
-    pull_bytes: int = 0
-    failures: dict = dataclasses.field(default_factory=dict)  # cause -> count
-
-    def fail(self, cause: str) -> None:
-        self.failures[cause] = self.failures.get(cause, 0) + 1
-
-
 def prefix_hashes(ids: list[int], page_size: int) -> list[bytes]:
     """The prefix-cache chain hash of every full page of ``ids`` (16 bytes little-endian each)."""
     out, parent = [], None
@@ -88,7 +75,7 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
     """jax: the JaxServeService (validation, engine streams, accounting); engine: read-only
     facts (layouts, fingerprint) from the LLMEngine; address: this server's gRPC address."""
 
-    def __init__(self, jax_service, engine, address: str, transport: str = "grpc", ttl_s: float = 30.0,
+    def __init__(self, jax_service, engine, metrics, address: str, transport: str = "grpc", ttl_s: float = 30.0,
                  pull_timeout_s: float = 10.0, max_offers: int = 64):
         self.jax, self.engine, self.address = jax_service, engine, address
         self.role = engine.config.role
@@ -97,7 +84,8 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
         self.layout = engine.kv_layout()
         self.page_size = engine.config.page_size
         self.offers: dict[str, Offer] = {}
-        self.stats = HandoffStats()
+        self.metrics = metrics
+        self._tasks: set = set()  # background Release calls (kept referenced until done)
         self.faults = parse_faults(os.environ.get(FAULT_ENV, ""))
         self._channels: dict[str, grpc.aio.Channel] = {}
         # The transfer server starts on first use (an offer or a pull over it).
@@ -167,7 +155,8 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
             manifest.transfer_address = self.transfer.address
             await asyncio.to_thread(self.transfer.offer, tid, payload)
         self.offers[tid] = Offer(manifest, payload, manifest.expires_unix_s)
-        self.stats.offers += 1
+        self.metrics.handoff_offers.inc()
+        self.metrics.handoff_open.set(len(self.offers))
         return manifest
 
     async def PullPages(self, request, context):
@@ -191,11 +180,11 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
         if offer is None:
             return hpb.ReleaseResponse(released=False)
         await self._retire(offer, pulled=request.pulled)
-        self.stats.released += 1
         return hpb.ReleaseResponse(released=True)
 
     async def _retire(self, offer: Offer, pulled: bool) -> None:
         """Forget an offer; an unpulled transfer offer is drained out of the transfer server."""
+        self.metrics.handoff_open.set(len(self.offers))
         if offer.manifest.transport == "transfer" and not pulled:
             specs = self.engine.runner.handoff.specs(offer.payload.fmt, offer.payload.num_pages)
             await self.transfer.drain(offer.manifest.transfer_id, specs)
@@ -208,7 +197,7 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
             for tid in [t for t, o in self.offers.items() if o.expires < now]:
                 offer = self.offers.pop(tid, None)
                 if offer is not None:
-                    self.stats.expired += 1
+                    self.metrics.handoff_expired.inc()
                     log.info("KV offer %s expired unpulled; drained", tid)
                     await self._retire(offer, pulled=False)
 
@@ -223,7 +212,7 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
         try:
             live = self._check_offer(offer)
         except ServeError as e:
-            self.stats.fail(e.outcome)
+            self.metrics.handoff_failures.labels(e.outcome).inc()
             if offer.address and e.code != grpc.StatusCode.INVALID_ARGUMENT:
                 self._release_later(offer, pulled=False)  # refused: the prefill worker may free it now
             await context.abort(e.code, e.message, e.trailing_metadata())
@@ -239,7 +228,7 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
             kw = dict(kv_import=KvImport(payload, offer.digest, offer.first_token_ids[0], offer.cached_tokens,
                                          request.recompute_on_failure))
         except PullError as e:
-            self.stats.fail(e.cause)
+            self.metrics.handoff_failures.labels(e.cause).inc()
             log.warning("KV handoff %s: %s%s", offer.transfer_id, e,
                         "; prefilling here" if request.recompute_on_failure else "")
             if not request.recompute_on_failure:
@@ -280,8 +269,9 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
         left = min(self.pull_timeout_s, offer.expires_unix_s - time.time())
         t0 = time.perf_counter()
         payload = await self.transports[offer.transport].pull(offer, h.specs(fmt, n), h.leaf_axes(), n, fmt, left)
-        self.stats.pulls += 1
-        self.stats.pull_bytes += payload.nbytes
+        self.metrics.handoff_pulls.labels(offer.transport).inc()
+        self.metrics.handoff_bytes.labels(offer.transport).inc(payload.nbytes)
+        self.metrics.handoff_seconds.observe(time.perf_counter() - t0)
         log.info("KV handoff %s: %d B over %s in %.1f ms", offer.transfer_id, payload.nbytes, offer.transport,
                  (time.perf_counter() - t0) * 1e3)
         return payload
@@ -294,4 +284,6 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
             except grpc.aio.AioRpcError as e:  # the prefill worker is gone: its offers went with it
                 log.info("Release(%s) failed: %s", offer.transfer_id, e.code().name)
 
-        asyncio.ensure_future(release())
+        task = asyncio.ensure_future(release())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -26,7 +26,7 @@ from jaxserve.v1 import handoff_pb2 as hpb
 from jaxserve.v1 import handoff_pb2_grpc as hpb_grpc
 from jaxserve.v1 import jaxserve_pb2 as pb
 
-from .conftest import IDS_A, IDS_B
+from .conftest import IDS_A, IDS_B, metric, scrape
 from .serve_process import ServeProcess, server_env
 from .tiny_model import build_tiny_text_model
 
@@ -54,7 +54,7 @@ def request(name: str, rid: str = "") -> pb.GenerateRequest:
 
 def worker_args(model: str, *extra: str) -> list[str]:
     args = [sys.executable, "-m", "jaxserve.server.cli", "serve", "--model", model, "--port", "0",
-            "--metrics-port", "-1", "--log-level", "warning", "--drain-timeout", "5"]
+            "--metrics-port", "0", "--log-level", "warning", "--drain-timeout", "5"]
     for key, value in ENGINE_KW.items():
         args += [f"--{key.replace('_', '-')}", str(value)]
     return args + list(extra)
@@ -97,6 +97,11 @@ def references(tiny_text_model):
     return bf16, fp8, want
 
 
+def metrics(procs, name: str) -> dict:
+    port = int(procs[name].output.split("metrics port ")[1].split(")")[0])
+    return scrape(port)
+
+
 def kv_used(addr: str) -> int:
     with grpc.insecure_channel(addr) as ch:
         return worker_info(ch).kv_pages.used
@@ -129,6 +134,9 @@ def test_same_format_handoff_gives_the_single_engine_tokens(workers, references,
         assert res.offer is not None and res.offer.transport == transport
         assert res.token_ids == want[name], name
         assert res.usage.prompt_tokens == len(PROMPTS[name][0]) and res.usage.completion_tokens == 10
+    m = metrics(workers[0], "decode_bf16")
+    assert metric(m, "jaxserve_kv_handoff_pulls_total", transport=transport) >= 2
+    assert metric(m, "jaxserve_kv_handoff_pull_bytes_total", transport=transport) > 0
 
 
 def _pull_bytes(addr: str, offer) -> bytes:
@@ -238,6 +246,9 @@ def test_expired_offer_is_aborted_or_recomputed_and_drained(workers, references)
     with grpc.insecure_channel(addrs["prefill"]) as ch:
         for offer in offers:  # both were drained by the prefill worker: nothing left to release
             assert not hpb_grpc.KvHandoffStub(ch).Release(hpb.ReleaseRequest(transfer_id=offer.transfer_id)).released
+    procs = workers[0]
+    assert metric(metrics(procs, "prefill"), "jaxserve_kv_handoff_expired_total") >= 2
+    assert metric(metrics(procs, "decode_bf16"), "jaxserve_kv_handoff_failures_total", cause="expired") == 2
 
 
 def test_hung_transfer_pull_is_abandoned_by_its_watchdog(workers):
@@ -256,6 +267,7 @@ def test_hung_transfer_pull_is_abandoned_by_its_watchdog(workers):
         _decode(addrs["decode_bf16"], req, bogus)
     assert e.value.code() == grpc.StatusCode.ABORTED and "timeout" in e.value.details()
     assert time.monotonic() - t0 < 10  # --pull-timeout 3
+    assert metric(metrics(workers[0], "decode_bf16"), "jaxserve_kv_handoff_failures_total", cause="timeout") == 1
     with grpc.insecure_channel(addrs["prefill"]) as ch:  # the real offer, unpulled: released and drained
         assert hpb_grpc.KvHandoffStub(ch).Release(hpb.ReleaseRequest(transfer_id=offer.transfer_id, pulled=False),
                                                   timeout=30).released
