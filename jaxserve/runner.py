@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.handoff_programs import HandoffPrograms, HandoffRunnerMixin, weights_digest
 from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, pad_updates
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.attention_backends import get_backend
@@ -80,7 +81,7 @@ class StepResult:
     cause: np.ndarray  # int32 [B] page_tracker cause codes
 
 
-class ModelRunner:
+class ModelRunner(HandoffRunnerMixin):
     def __init__(
         self,
         model,
@@ -98,7 +99,14 @@ class ModelRunner:
         prefill_from_decode_weights: bool = False,
         strict: bool = False,
         batch_invariant: bool = False,
+        role: str = "both",
     ):
+        """role: "both"; "prefill" (only the prefill weights are built: no decode program);
+        "decode" (prefill reads the decode copy: one resident copy). A prefill or decode role
+        also hashes the weights as loaded (``source_digest``), for the handoff fingerprint."""
+        if role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode, got {role!r}")
+        self.role = role
         self.cfg = model.cfg
         self.fmt = fmt
         self.num_pages = num_pages
@@ -115,12 +123,17 @@ class ModelRunner:
         self.matmul_backend = resolve_backend(matmul_backend)
         if self.matmul_backend == "interpret" and mesh is not None:
             raise ValueError("the interpreted Pallas matmuls are single-device; use matmul_backend='cpu' with a mesh")
+        self.source_digest = weights_digest(jax.tree.leaves(state)) if role != "both" else ""
+        if role == "decode":
+            prefill_weights, prefill_from_decode_weights = None, True
         # Each phase's own weight representation (None: the loaded weights), one copy where one suffices.
         self.weight_formats, states = phase_states(state, prefill_weights, decode_weights, mesh, quantize_tied_head,
-                                                   prefill_from_decode_weights)
+                                                   prefill_from_decode_weights,
+                                                   only="prefill" if role == "prefill" else None)
         self.phase_params = {p: jax.tree.flatten(s) for p, s in states.items()}
-        if states["prefill"] is states["decode"]:
+        if states["prefill"] is states.get("decode"):
             self.phase_params["prefill"] = self.phase_params["decode"]
+        self.handoff = HandoffPrograms(model.init_kv, self.cfg.architecture, fmt, page_size, self.max_pages_per_seq)
         self._commit_inputs(model.init_kv(num_pages, page_size, fmt))
         self.params, self.treedef = self.phase_params["prefill"]
         self._jitted: dict = {}
@@ -146,7 +159,8 @@ class ModelRunner:
 
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of each phase's weights, and of what is resident (an array both phases read counts once)."""
-        out = {p: int(sum(x.nbytes for x in leaves)) for p, (leaves, _) in self.phase_params.items()}
+        out = {p: 0 for p in ("prefill", "decode")}  # a phase this role does not hold: 0
+        out.update({p: int(sum(x.nbytes for x in leaves)) for p, (leaves, _) in self.phase_params.items()})
         unique = {id(x): x.nbytes for leaves, _ in self.phase_params.values() for x in leaves}
         out["resident"] = int(sum(unique.values()))
         return out
@@ -154,7 +168,7 @@ class ModelRunner:
     def weight_paths(self) -> dict[str, str]:
         """Per phase, the matmul paths its weights run on: 'int8 -> cpu:w8a8 (...)', one per
         stored format ('as loaded -> xla:dot (...)' for plain arrays)."""
-        out = {}
+        out = {p: "not held (a prefill worker)" for p in ("prefill", "decode")}
         for phase, (leaves, treedef) in self.phase_params.items():
             stored = jax.tree.leaves(jax.tree.unflatten(treedef, leaves), is_leaf=lambda x: isinstance(x, PhaseWeight))
             formats = sorted({x.qw.format for x in stored if isinstance(x, PhaseWeight)})
@@ -189,6 +203,8 @@ class ModelRunner:
         """The checked program `name` ("prefill" | "decode"), jitted once; with ``all_logits``
         the scoring variant (logits at every position, not part of serving)."""
         key = name + ("/all_logits" if all_logits else "")
+        if name not in self.phase_params:
+            raise RuntimeError(f"a {self.role} worker holds no {name} weights: it has no {name} program")
         if key not in self._jitted:
             forward, tracker = self._model_fn(all_logits, name), self.tracker
 
@@ -255,12 +271,15 @@ class ModelRunner:
             jnp.asarray(expected, jnp.int32), jnp.asarray(num_pages_used, jnp.int32),
         )
         if self.warm and not all_logits and fn._cache_size() != before:
-            self.compiles_after_warmup += 1
-            msg = f"{phase} program compiled after warm-up for shape tokens={tuple(inp.tokens.shape)}"
-            if self.strict:
-                raise RecompilationError(msg)
-            log.warning("%s (a shape escaped the warm-up buckets: counted in compiles_after_warmup)", msg)
+            self.recompiled(f"{phase} program compiled after warm-up for shape tokens={tuple(inp.tokens.shape)}")
         return StepResult(logits, np.asarray(ok), np.asarray(cause))
+
+    def recompiled(self, msg: str) -> None:
+        """A serving program compiled after warm-up: counted; raises when strict."""
+        self.compiles_after_warmup += 1
+        if self.strict:
+            raise RecompilationError(msg)
+        log.warning("%s (a shape escaped the warm-up buckets: counted in compiles_after_warmup)", msg)
 
     def run(self, tokens, cached_lens, new_lens, page_table, all_logits: bool = False) -> jax.Array:
         """Unchecked forward for tests and scoring (pages chosen by the caller).
@@ -282,6 +301,8 @@ class ModelRunner:
     def warmup(self, decode_batches: list[int], prefill_shapes: list[tuple[int, int]]) -> None:
         """Compile every serving bucket now (page tables of padding rows are all null)."""
         m = self.max_pages_per_seq
+        if "decode" not in self.phase_params:
+            decode_batches = []
         for phase, shapes in (("decode", [(b, 1) for b in decode_batches]), ("prefill", prefill_shapes)):
             for b, t in shapes:
                 z = np.zeros((b,), np.int32)
@@ -296,4 +317,5 @@ class ModelRunner:
                     break
                 size *= 2
         self.warm = True
+
 

@@ -57,6 +57,10 @@ class EngineConfig:
     batch_invariant: bool = _field(False, "batch-invariant numerics: a request's log-probs are bitwise the same "
                                           "whatever else is batched with it, at some speed cost (matmuls and "
                                           "attention run over fixed row tiles)")
+    role: str = _field("both", "both | prefill (prefill and KV export only) | decode (decode weights only; "
+                               "handed-off KV imported)", cli=False)
+    kv_handoff_format: str | None = _field(None, "KV format a prefill worker's exports are compiled for at warm-up "
+                                                 "(the decode workers' pool format; default fp8_e4m3)", type=str, cli=False)
     keep_finished: int = _field(1024, "finished requests the engine keeps answering completion(id) for (a server "
                                       "needs none: each request's last output carries its completion)", cli=False)
     strict_compiles: bool = _field(
@@ -65,6 +69,12 @@ class EngineConfig:
         factory=lambda: os.environ.get("JAXSERVE_STRICT_COMPILES", "") == "1")
 
     def __post_init__(self):
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.kv_handoff_format is not None:
+            from jaxserve.kv.formats import get_kv_format
+
+            get_kv_format(self.kv_handoff_format)
         if self.keep_finished < 0:
             raise ValueError("keep_finished must be >= 0")
         if self.num_pages < 2:

@@ -30,7 +30,8 @@ from jaxserve.engine.outputs import Completion, EngineSnapshot, RequestOutput, S
 from jaxserve.engine.sampler import sample_rows, sample_sequences
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.kv_handoff import KvHandoffMixin
+from jaxserve.engine.sequence import KvImport, Sequence
 from jaxserve.kv import memory as kv_memory
 from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, TrackerStats, integrity_errors
 from jaxserve.runner import ModelRunner, bucket, pick_bucket, pow2_buckets, token_buckets
@@ -40,7 +41,7 @@ def default_attention_backend() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
-class LLMEngine:
+class LLMEngine(KvHandoffMixin):
     def __init__(self, model, config: EngineConfig, fmt, tokenizer=None, mesh=None):
         page_bytes = kv_memory.format_token_bytes(fmt, *kv_memory.model_token_layout(model, fmt)) * config.page_size
         budget = kv_memory.kv_budget(config.kv_cache_memory, config.memory_fraction)
@@ -63,6 +64,7 @@ class LLMEngine:
             matmul_backend=config.matmul_backend, quantize_tied_head=config.quantize_tied_head,
             prefill_from_decode_weights=config.prefill_from_decode_weights, strict=config.strict_compiles,
             batch_invariant=config.batch_invariant,
+            role=config.role,
         )
         # Prefill programs: rows in powers of two, tokens in token_buckets (compiled at warm-up).
         self.prefill_token_buckets = token_buckets(16, min(config.prefill_chunk, config.max_num_batched_tokens))
@@ -106,16 +108,30 @@ class LLMEngine:
         return lambda: self._observers.remove(fn)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt_ids, params: SamplingParams, request_id: str | None = None) -> str:
-        """Validate and queue a request; returns its id. Bad input raises ValueError."""
+    def add_request(self, prompt_ids, params: SamplingParams, request_id: str | None = None,
+                    export_kv: str | None = None, kv_import: KvImport | None = None) -> str:
+        """Validate and queue a request; returns its id. Bad input raises ValueError.
+
+        KV handoff: with ``export_kv`` (a KV format name) the request stops after its first
+        token and its last output carries the prompt's pages in that format (``kv_export``);
+        with ``kv_import`` its prompt's pages come from another engine (mapped under this
+        engine's own page ids at admission, digest checked on device) and it continues from
+        the first token that engine sampled."""
+        if self.config.role == "prefill" and export_kv is None:
+            raise ValueError("a prefill worker only prefills for a KV handoff (export_kv)")
+        if export_kv is not None:
+            self.runner.handoff.layout(export_kv)  # ValueError for an unknown format
+            params = dataclasses.replace(params, max_tokens=1)
         ids = self._check_prompt(prompt_ids, params.max_tokens)
+        if kv_import is not None:
+            self._check_import(kv_import, ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         old = self.outputs.get(rid)
         if old is not None and not old.finished:
             raise ValueError(f"request id {rid!r} is already running")
         # Any integer seed works: it is folded into the 31-bit range the PRNG key takes.
         seed = params.seed % 2**31 if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
-        seq = Sequence(rid, ids, params, seed)
+        seq = Sequence(rid, ids, params, seed, export_kv=export_kv, kv_import=kv_import)
         self.outputs.add(seq)
         self.scheduler.add(seq)
         return rid
@@ -165,6 +181,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.runner.apply_generation_updates(*self.bm.take_generation_updates())
         events: dict[str, list[int]] = {}  # request id -> token ids sampled this step
+        for seq in sched.imported:
+            self._map_imported(seq, events)
         if sched.prefill:
             chunks = [c for c in sched.prefill if not c.seq.finished]
             rows = [(c.seq, c.seq.all_ids[c.start : c.start + c.num_tokens], c.start) for c in chunks]
@@ -198,6 +216,7 @@ class LLMEngine:
         seqs = {rid: self.outputs.get(rid) for rid in events}
         seqs.update((s.request_id, s) for s in self._just_finished)
         seqs.update((c.seq.request_id, c.seq) for c in sched.prefill)
+        seqs.update((s.request_id, s) for s in sched.imported)
         self._just_finished = []
         outs = []
         for rid, s in seqs.items():
@@ -262,6 +281,11 @@ class LLMEngine:
     def _finish(self, s: Sequence, reason: str, error: Exception | None = None) -> None:
         if s.finished:
             return
+        if s.export_kv is not None and reason in ("stop", "length") and s.output_ids:
+            # The prompt's pages (its KV is complete: the first token was sampled from it),
+            # gathered before the pages are released.
+            s.kv_export = self.runner.export_pages(s.pages[: self.bm.pages_for(len(s.prompt_ids))], s.export_kv)
+            s.kv_export.token_ids = list(s.prompt_ids)
         self.scheduler.finish(s, reason, error)
         self.outputs.finished(s, reason)
         self._just_finished.append(s)
@@ -275,6 +299,9 @@ class LLMEngine:
         decode = pow2_buckets(1, c.max_num_seqs)
         prefill_b = pow2_buckets(1, c.max_prefill_seqs)
         self.runner.warmup(decode, [(b, t) for b in prefill_b for t in self.prefill_token_buckets])
+        if c.role != "both":  # the KV handoff programs: export on a prefill worker, import on a decode worker
+            exports = sorted({self.runner.fmt.name, c.kv_handoff_format or "fp8_e4m3"}) if c.role == "prefill" else []
+            self.runner.warmup_handoff(exports, imports=c.role == "decode")
         v = self.cfg.vocab_size
         for rows in sorted(set(decode) | set(prefill_b)):
             for n in pow2_buckets(1, rows):

@@ -122,6 +122,7 @@ class OutputProcessor:
             self.completion(s) if s.finished else None,
             started=started, prompt_tokens=len(s.prompt_ids), cached_tokens=s.num_cached_tokens,
             new_logprobs=lps,
+            kv_export=s.kv_export if s.finished else None,
         )
 
     def completion(self, s: Sequence) -> Completion:

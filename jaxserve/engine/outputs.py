@@ -36,6 +36,9 @@ class RequestOutput:
     cached_tokens: int = 0
     # With SamplingParams.logprobs set: one (logprob, {token_id: logprob} top-n) per new token.
     new_logprobs: list | None = None
+    # A request added with export_kv: its prompt's pages (a jaxserve.kv.handoff.KvPayload) on
+    # its last output, when it finished with its first token.
+    kv_export: object = None
 
 
 class Completion(list):

@@ -50,6 +50,9 @@ class ScheduledChunk:
 class SchedulerOutput:
     prefill: list[ScheduledChunk]
     decode: list[Sequence]
+    # Admitted this step with their prompt's KV handed over (seq.kv_import): the engine writes
+    # their pages before any program reads them; they decode from the next step.
+    imported: list[Sequence] = dataclasses.field(default_factory=list)
 
 
 class Scheduler:
@@ -69,8 +72,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         decode = self._schedule_decode()
-        prefill = self._schedule_prefill()
-        return SchedulerOutput(prefill, decode)
+        imported: list[Sequence] = []
+        prefill = self._schedule_prefill(imported)
+        return SchedulerOutput(prefill, decode, imported)
 
     # ------------------------------------------------------------------ decode
     def _schedule_decode(self) -> list[Sequence]:
@@ -105,7 +109,7 @@ class Scheduler:
         return self.running[-1]
 
     # ------------------------------------------------------------------ prefill
-    def _schedule_prefill(self) -> list[ScheduledChunk]:
+    def _schedule_prefill(self, imported: list[Sequence]) -> list[ScheduledChunk]:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
@@ -128,19 +132,23 @@ class Scheduler:
                 break
             seq = self.waiting[0]
             tokens = seq.all_ids[:-1] if seq.output_ids else seq.prompt_ids
+            handed = seq.kv_import is not None  # every page is written from the handoff: no prefix hits
             try:
-                alloc = self.bm.allocate_prompt(seq.request_id, tokens)
+                alloc = self.bm.allocate_prompt(seq.request_id, tokens, use_prefix_cache=not handed)
             except NoFreePagesError:
                 break  # admission by free pages: wait until some finish
             self.waiting.popleft()
             seq.pages, seq.expected = list(alloc.pages), self.bm.expected_generations(seq.request_id)
-            seq.num_computed = alloc.num_cached_tokens
+            seq.num_computed = len(tokens) if handed else alloc.num_cached_tokens
             if not seq.admitted:
-                seq.num_cached_tokens = alloc.num_cached_tokens
+                seq.num_cached_tokens = seq.kv_import.cached_tokens if handed else alloc.num_cached_tokens
                 seq.admitted = True
             seq.status = Status.RUNNING
             self.running.append(seq)
-            take(seq)
+            if handed:
+                imported.append(seq)
+            else:
+                take(seq)
         return chunks
 
     # ------------------------------------------------------------------ state changes
@@ -158,6 +166,16 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        """A handed-off request whose pages could not be used: release them and queue it
+        (first) to prefill locally (not counted as a preemption)."""
+        self._release(seq)
+        seq.status = Status.WAITING
+        seq.num_computed = 0
+        seq.kv_import = None
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 

@@ -8,6 +8,28 @@ import time
 from jaxserve.engine.sampling_params import SamplingParams
 
 
+@dataclasses.dataclass
+class KvImport:
+    """A request whose prompt KV another engine computed (a KV handoff): its pages, their
+    digest, the first token that engine sampled and the prompt tokens it served from its
+    prefix cache. The engine maps the pages under its own page ids at admission."""
+
+    payload: object  # jaxserve.kv.handoff.KvPayload in this engine's KV format
+    digest: str  # 16 hex digits (jaxserve.kv.handoff.digest_hex)
+    first_token: int
+    cached_tokens: int = 0
+    recompute_on_failure: bool = False  # a digest mismatch: prefill locally instead of failing
+
+
+class KvHandoffError(RuntimeError):
+    """A handed-off request's pages failed their digest check; the request is aborted."""
+
+    def __init__(self, request_id: str, cause: str, detail: str = ""):
+        super().__init__(f"request {request_id!r}: KV handoff failed ({cause}){': ' + detail if detail else ''}")
+        self.request_id = request_id
+        self.cause = cause
+
+
 class Status(enum.Enum):
     WAITING = "waiting"  # no pages (new, or preempted and to be recomputed)
     RUNNING = "running"  # has pages; prefilling until num_computed reaches the prompt, then decoding
@@ -39,6 +61,9 @@ class Sequence:
     stopped_by_string: bool = False  # a stop string cut `text` (nothing more to flush)
     started: bool = False  # the output that reports its admission has been emitted
     detok: object = None  # IncrementalDetokenizer when the model has a tokenizer
+    export_kv: str | None = None  # KV handoff, sending side: the format to export the prompt's pages in
+    kv_export: object = None  # ... the exported KvPayload, once the first token is sampled
+    kv_import: KvImport | None = None  # KV handoff, receiving side: pages to map at admission
 
     @property
     def all_ids(self) -> list[int]:

@@ -179,12 +179,15 @@ def quantize_state(state, spec: str | None, mesh=None, tied_head: bool = False):
 
 
 def phase_states(state, prefill: str | None, decode: str | None, mesh=None, tied_head: bool = False,
-                 prefill_from_decode: bool = False):
+                 prefill_from_decode: bool = False, only: str | None = None):
     """-> ({phase: format spec}, {phase: state}) for the prefill and decode programs.
 
     One copy whenever one suffices: both phases in one format share one state (the same
     object), and with ``prefill_from_decode`` prefill reads the decode copy (an int4 prefill
-    then runs on the int4 path: slower than fp8/bf16, half the resident weights)."""
+    then runs on the int4 path: slower than fp8/bf16, half the resident weights).
+    ``only="prefill"`` builds the prefill copy alone (a prefill worker: no decode entry)."""
+    if only == "prefill":
+        return {"prefill": prefill}, {"prefill": quantize_state(state, prefill, mesh, tied_head)}
     if prefill_from_decode:
         if prefill is not None:
             raise ValueError("prefill_from_decode_weights reads the decode copy: leave prefill_weights unset")

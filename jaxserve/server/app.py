@@ -24,12 +24,16 @@ from jaxserve.server.http_server import HttpServer, HttpTls
 from jaxserve.server.limits import ServeLimits
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.service import JaxServeService
+from jaxserve.server.handoff_service import KvHandoffService
+from jaxserve.v1 import handoff_pb2 as hpb
+from jaxserve.v1 import handoff_pb2_grpc as hpb_grpc
 from jaxserve.v1 import jaxserve_pb2 as pb
 from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger("jaxserve.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name  # "jaxserve.v1.JaxServe"
+HANDOFF_SERVICE_NAME = hpb.DESCRIPTOR.services_by_name["KvHandoff"].full_name
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -55,7 +59,8 @@ class Server:
                  max_waiting: int = 256, replica_id: str | None = None, metrics_host: str = "127.0.0.1",
                  credentials=None, keys: ApiKeys | None = None, max_id_length: int = convert.MAX_ID_LENGTH,
                  limits: ServeLimits | None = None, http_port: int | None = None, http_tls: HttpTls | None = None,
-                 served_model_name: str | None = None):
+                 served_model_name: str | None = None, kv_transport: str = "grpc", handoff_ttl_s: float = 30.0,
+                 pull_timeout_s: float = 10.0):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         convert.check_id_options(max_id_length, replica_id)
@@ -68,6 +73,9 @@ class Server:
         self.metrics = ServerMetrics()
         self.info = convert.model_info(llm, max_waiting, replica_id or "")
         self._replica_id = replica_id
+        # A prefill or decode worker also serves KvHandoff (the KV handoff between them).
+        self.handoff_options = dict(transport=kv_transport, ttl_s=handoff_ttl_s, pull_timeout_s=pull_timeout_s)
+        self.handoff = self._handoff_watch = None
         self.failure: BaseException | None = None
         self._grpc = self._http = self.service = self.engine_loop = self.health = None
         self.http_port, self.http_tls, self.http = http_port, http_tls, None
@@ -92,12 +100,19 @@ class Server:
                                      interceptors=[RequestGuard(self.keys, self.metrics)])
         pb_grpc.add_JaxServeServicer_to_server(self.service, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
+        names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
         address = f"{self.host}:{self.port}"
         if self.credentials is None:
             self.port = self._grpc.add_insecure_port(address)
         else:
             self.port = self._grpc.add_secure_port(address, self.credentials)
+        if self.info.role != "both":
+            self.handoff = KvHandoffService(self.service, self.llm.engine, self.metrics, self.target,
+                                            **self.handoff_options)
+            hpb_grpc.add_KvHandoffServicer_to_server(self.handoff, self._grpc)
+            self._handoff_watch = asyncio.ensure_future(self.handoff.watch_offers())
+            names += (HANDOFF_SERVICE_NAME,)
+        reflection.enable_server_reflection(names, self._grpc)
         # The default replica id names the port actually bound (a router's key for this replica).
         self.info.replica_id = self._replica_id or f"{socket.gethostname()}:{self.port}"
         self.metrics.info.info({
@@ -181,6 +196,9 @@ class Server:
             await self.http.stop()  # closes the connections: what is left aborts in the engine
         await self._grpc.stop(0.5)  # cancels what is left: their handlers abort in the engine
         self._watchdog.cancel()
+        if self.handoff is not None:
+            self._handoff_watch.cancel()
+            await self.handoff.close()
         self.service.close()
         self.engine_loop.stop()
         # A warm-up in progress cannot be cut short (XLA is compiling), so it is not waited

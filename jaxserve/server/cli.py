@@ -53,6 +53,7 @@ def register_serve(sub) -> None:
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests waiting for admission before RESOURCE_EXHAUSTED")
     _add_limit_args(p)
+    _add_role_args(p)
     p.add_argument("--replica-id", default=None, help="this replica's name in ModelInfo/metrics (default host:port)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM/SIGINT")
@@ -88,6 +89,24 @@ def _add_limit_args(p) -> None:
     p.add_argument("--stream-idle-timeout", type=float, default=d.stream_idle_timeout_s,
                    help=f"seconds a stream may wait for its client to read before it is cancelled and its "
                         f"request aborted (default {d.stream_idle_timeout_s:g})")
+
+
+def _add_role_args(p) -> None:
+    """Disaggregated serving: the worker's role and its KV handoff (jaxserve.server.handoff_service)."""
+    p.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
+                   help="both: prefill and decode here (default); prefill: only the prefill weights, serves "
+                        "KvHandoff.Prefill (KV offered to decode workers, default pool bf16); decode: only the "
+                        "decode weights, takes handed-off KV (default pool fp8_e4m3). Start every worker of a "
+                        "deployment with the same model and weight-format flags")
+    p.add_argument("--kv-transport", choices=("grpc", "transfer"), default="grpc",
+                   help="how a decode worker pulls offered KV: grpc (a byte stream, KvHandoff.PullPages) or "
+                        "transfer (jax.experimental.transfer); a prefill worker offers over this one")
+    p.add_argument("--handoff-ttl", type=float, default=30.0,
+                   help="seconds a prefill worker keeps an unpulled KV offer before draining it")
+    p.add_argument("--pull-timeout", type=float, default=10.0, help="watchdog of one KV pull on a decode worker")
+    p.add_argument("--kv-handoff-format", default=None,
+                   help="prefill worker: the decode workers' KV format, its export compiled at warm-up "
+                        "(default fp8_e4m3)")
 
 
 def limits_from(args):
@@ -144,9 +163,10 @@ def _run(args) -> tuple[int, bool]:
     enable_compile_cache()
     from jaxserve.llm import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, kv_format=args.kv_format, num_devices=args.num_devices,
+    kv_format = args.kv_format or {"prefill": "bf16", "decode": "fp8_e4m3"}.get(args.role)
+    llm = LLM(args.model, dtype=args.dtype, kv_format=kv_format, num_devices=args.num_devices,
               keep_finished=0,  # each request's last output carries its completion
-              **engine_kwargs(args))
+              role=args.role, kv_handoff_format=args.kv_handoff_format, **engine_kwargs(args))
     return asyncio.run(_serve(args, llm, keys, credentials))
 
 
@@ -179,7 +199,8 @@ async def _serve(args, llm, keys, credentials) -> tuple[int, bool]:
                     metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                     metrics_host=args.metrics_host, credentials=credentials, keys=keys,
                     max_id_length=args.max_id_length, limits=args.limits, http_port=args.http_port,
-                    http_tls=http_tls, served_model_name=args.served_model_name)
+                    http_tls=http_tls, served_model_name=args.served_model_name, kv_transport=args.kv_transport,
+                    handoff_ttl_s=args.handoff_ttl, pull_timeout_s=args.pull_timeout)
     await server.start()
     security = (f"{'TLS' if credentials is not None else 'plaintext'}, "
                 f"{f'{len(keys)} API key(s)' if keys.enabled else 'no API key'}")
@@ -200,8 +221,8 @@ async def _serve(args, llm, keys, credentials) -> tuple[int, bool]:
             code = 1
         else:
             i = server.info
-            print(f"jaxserve: SERVING on {server.target} ({i.architecture}, weights {i.decode.weights}, "
-                  f"kv {i.decode.kv_cache}, fingerprint {i.fingerprint[:12]})", flush=True)
+            print(f"jaxserve: SERVING on {server.target} ({i.architecture}, role {i.role}, weights "
+                  f"{i.decode.weights}, kv {i.decode.kv_cache}, fingerprint {i.fingerprint[:12]})", flush=True)
             await stopping
     ready.cancel()
     print(f"jaxserve: draining (up to {args.drain_timeout:g}s)", flush=True)

@@ -182,10 +182,11 @@ def phase_formats(llm) -> dict[str, dict[str, str]]:
     """Weight and KV formats per phase: the weight format each phase's program reads
     (``ModelRunner.weight_formats``: prefill reads the decode copy under
     prefill_from_decode_weights; unset = as loaded, reported as the loaded dtype) and the KV
-    format of the one page pool both phases share."""
-    paths = llm.runner.weight_paths()
-    return {phase: {"weights": str(llm.runner.weight_formats[phase] or llm.dtype), "kv_cache": llm.fmt.name,
-                    "matmul_path": paths[phase]}
+    format of the one page pool both phases share; a prefill worker holds no decode weights
+    ("not held")."""
+    paths, held = llm.runner.weight_paths(), llm.runner.weight_formats
+    return {phase: {"weights": str(held[phase] or llm.dtype) if phase in held else "not held",
+                    "kv_cache": llm.fmt.name, "matmul_path": paths[phase]}
             for phase in ("prefill", "decode")}
 
 
@@ -230,6 +231,9 @@ def model_info(llm, max_waiting: int, replica_id: str) -> pb.ModelInfo:
         integrity_check=eng.config.integrity_check,
         replica_id=replica_id,
         memory=memory_report(llm.memory_report()),
+        role=eng.config.role,
+        kv_layout=eng.kv_layout(),
+        handoff_fingerprint=eng.handoff_fingerprint(),
     )
 
 

@@ -9,7 +9,9 @@ asyncio.Queue. Events are tuples:
     ("start", prompt_tokens, cached_tokens)           once, when the scheduler admits it
     ("delta", token_ids, text, logprobs)              new tokens (and/or text); logprobs: one
                                                       (logprob, {id: logprob}) per token, or None
-    ("end", finish_reason, Usage, ttft_s, total_s, error)   error: IntegrityError | None
+    ("end", finish_reason, Usage, ttft_s, total_s, error, kv_export)
+                                  error: IntegrityError | KvHandoffError | None; kv_export: the
+                                  prompt's KvPayload for a request submitted with export_kv
     ("error", exception)                              rejected by add_request, or step() failed
 
 Invariant: every submitted stream receives exactly one terminal event ("end" or "error"),
@@ -102,10 +104,11 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, stream: RequestStream, prompt_ids: list[int], params) -> None:
+    def submit(self, stream: RequestStream, prompt_ids: list[int], params, **handoff) -> None:
+        """handoff: ``LLMEngine.add_request``'s export_kv / kv_import, if any."""
         self.waiting += 1
         self.metrics.queue_depth.set(self.waiting)
-        self._inbox.put(("add", stream, prompt_ids, params))
+        self._inbox.put(("add", stream, prompt_ids, params, handoff))
 
     def abort(self, engine_id: str) -> concurrent.futures.Future:
         """Abort through the engine thread; the future's result: was it running."""
@@ -201,9 +204,9 @@ class EngineLoop:
     def _command(self, cmd) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, stream, ids, params = cmd
+            _, stream, ids, params, handoff = cmd
             try:
-                self.engine.add_request(ids, params, request_id=stream.engine_id)
+                self.engine.add_request(ids, params, request_id=stream.engine_id, **handoff)
             except Exception as e:  # ValueError = bad input; the loop maps the type to a code
                 self._out.append((stream, ("error", e)))
                 return
@@ -284,4 +287,5 @@ class EngineLoop:
         ttft = live.first_token - stream.arrival if live.first_token is not None else None
         self.metrics.e2e.observe(total)
         self.recent_duration_s = 0.9 * self.recent_duration_s + 0.1 * total
-        self._out.append((stream, ("end", out.finish_reason, out.completion.usage, ttft, total, out.error)))
+        self._out.append((stream, ("end", out.finish_reason, out.completion.usage, ttft, total, out.error,
+                                   out.kv_export)))

@@ -34,10 +34,11 @@ class Generations:
             raise errors.unavailable(self.phase)
 
     def submit(self, prompt_ids: list[int], params: list, request_id: str, session_id: str, owner: str,
-               arrival: float) -> RequestStream:
+               arrival: float, handoff: dict | None = None) -> RequestStream:
         """Register and submit one engine request per SamplingParams in `params` (the choices);
         -> choice 0's stream (the others in its ``choices``). Raises ServeError (UNAVAILABLE,
-        ALREADY_EXISTS, RESOURCE_EXHAUSTED with a retry hint) having submitted nothing."""
+        ALREADY_EXISTS, RESOURCE_EXHAUSTED with a retry hint) having submitted nothing.
+        ``handoff``: ``LLMEngine.add_request``'s KV handoff arguments (one choice only)."""
         self.check_serving()
         if request_id in self.active:
             raise errors.already_exists(request_id)
@@ -55,7 +56,7 @@ class Generations:
             self.metrics.session_requests.inc()
         self._update_sessions()
         for stream, p in zip(streams, params):
-            self.engine_loop.submit(stream, prompt_ids, p)
+            self.engine_loop.submit(stream, prompt_ids, p, **(handoff or {}))
         return first
 
     def finish(self, stream: RequestStream | None, api: str, outcome: str) -> bool:
@@ -101,7 +102,7 @@ def terminal(ev):
     """A terminal event -> (reason, usage, ttft, total), or the ServeError it stands for."""
     if ev[0] == "error":
         raise errors.from_exception(ev[1])
-    _, reason, usage, ttft, total, error = ev
+    _, reason, usage, ttft, total, error = ev[:6]
     if error is not None:  # the page tracker failed this request closed
         raise errors.integrity_aborted(error)
     return reason, usage, ttft, total

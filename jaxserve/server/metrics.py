@@ -48,6 +48,19 @@ class ServerMetrics:
                                            "Serving programs compiled after warm-up (should stay 0)", registry=r)
         self.serving = Gauge("jaxserve_serving", "1 when warmed up and accepting requests", registry=r)
         self.info = Info("jaxserve_model", "The served model and its formats", registry=r)
+        # KV handoff (prefill and decode workers, jaxserve.server.handoff_service).
+        self.handoff_offers = Counter("jaxserve_kv_handoff_offers", "KV offers made (prefill worker)", registry=r)
+        self.handoff_open = Gauge("jaxserve_kv_handoff_open_offers", "KV offers awaiting a pull or release", registry=r)
+        self.handoff_expired = Counter("jaxserve_kv_handoff_expired", "KV offers drained unpulled at expiry",
+                                       registry=r)
+        self.handoff_pulls = Counter("jaxserve_kv_handoff_pulls", "KV payloads pulled (decode worker)", ["transport"],
+                                     registry=r)
+        self.handoff_bytes = Counter("jaxserve_kv_handoff_pull_bytes", "Bytes of the KV payloads pulled",
+                                     ["transport"], registry=r)
+        self.handoff_seconds = Histogram("jaxserve_kv_handoff_pull_seconds", "One KV pull, request to payload",
+                                         buckets=_LATENCY, registry=r)
+        self.handoff_failures = Counter("jaxserve_kv_handoff_failures", "KV handoffs refused or failed, by cause",
+                                        ["cause"], registry=r)
         for cause in ("stale_generation", "out_of_range_page", "page_not_owned"):
             self.integrity_mismatches.labels(cause)  # export zeros, so rate() works from the start
         self._seen_mismatches: dict[str, int] = {}

@@ -133,14 +133,19 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         """Writes with context.write so that a client that stops reading is noticed: each
         write records when it began, and ``watch_unread`` cancels a handler whose write has
         waited longer than the stream idle timeout (the request is aborted, its pages freed)."""
+        await self.run_stream(request, context)
+
+    async def run_stream(self, request, context, rpc: str = "GenerateStream", handoff: dict | None = None):
+        """GenerateStream's events for ``request``; ``handoff``: ``LLMEngine.add_request``'s
+        KV handoff arguments (KvHandoff.Decode streams a handed-off request this way)."""
         stream, outcome, closed, peer = None, "internal", False, context.peer() or ""
         try:
             self.slots.acquire(peer)
         except ServeError as e:
-            self.metrics.requests.labels("GenerateStream", e.outcome).inc()
+            self.metrics.requests.labels(rpc, e.outcome).inc()
             await context.abort(e.code, e.message, e.trailing_metadata())
         try:
-            stream = await self._open(request, context)
+            stream = await self._open(request, context, handoff)
             stream.task = asyncio.current_task()
             async for i, ev in choice_events(stream):
                 if ev[0] == "start":
@@ -161,7 +166,7 @@ class JaxServeService(pb_grpc.JaxServeServicer):
                 stream.writing_since = None
         except ServeError as e:
             outcome = e.outcome
-            closed = self._close(stream, "GenerateStream", outcome)  # counted before the client sees the status
+            closed = self._close(stream, rpc, outcome)  # counted before the client sees the status
             await context.abort(e.code, e.message, e.trailing_metadata())
         except (asyncio.CancelledError, GeneratorExit):
             if stream is None or not stream.unread:
@@ -175,20 +180,21 @@ class JaxServeService(pb_grpc.JaxServeServicer):
             context.set_details(f"no stream event read for {self.limits.stream_idle_timeout_s:g}s; "
                                 f"cancelled (--stream-idle-timeout)")
         except Exception as e:
-            log.exception("GenerateStream failed")
-            closed = self._close(stream, "GenerateStream", "internal")
+            log.exception("%s failed", rpc)
+            closed = self._close(stream, rpc, "internal")
             await context.abort(grpc.StatusCode.INTERNAL, errors.internal(e).message)
         finally:
             self.slots.release(peer)
             if not closed:
-                self._close(stream, "GenerateStream", outcome)
+                self._close(stream, rpc, outcome)
 
     async def watch_unread(self) -> None:
         """Runs while the server does: see ``limits.watch_unread``."""
         await watch_unread(self.active.values, self.limits.stream_idle_timeout_s)
 
-    async def _open(self, req: pb.GenerateRequest, context) -> RequestStream:
-        """Validate and submit; raises ServeError (nothing is submitted then)."""
+    async def _open(self, req: pb.GenerateRequest, context, handoff: dict | None = None) -> RequestStream:
+        """Validate and submit; raises ServeError (nothing is submitted then). handoff: the
+        engine's KV handoff arguments (export_kv / kv_import)."""
         arrival = time.perf_counter()
         headers = {k: v for k, v in (context.invocation_metadata() or ())}
         # Ids are echoed in response headers: checked first, so a bad one never runs.
@@ -196,6 +202,9 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         session = req.session_id or str(headers.get(SESSION_HEADER, ""))
         convert.check_id("session_id" if req.session_id else SESSION_HEADER, session, self.max_id_length)
         self.generations.check_serving()
+        if self.info.role == "prefill" and not handoff:
+            raise errors.failed_precondition("a prefill worker serves KvHandoff.Prefill only; send generation "
+                                             "requests to a decode (or both) worker or the router")
         check_stop(req.stop.stop, req.stop.stop_token_ids, self.limits)  # before any work on them
         params = convert.choice_params(convert.sampling_params(req), req.n or 1, self.info.max_num_seqs)
         ids = await self.prompt_ids(req)
@@ -205,8 +214,10 @@ class JaxServeService(pb_grpc.JaxServeServicer):
             md.append((SESSION_HEADER, session))
         await context.send_initial_metadata(tuple(md))
         owner = self.keys.identity(context.invocation_metadata()) or ""
+        if handoff and len(params) > 1:
+            raise errors.invalid_argument("n > 1 cannot be combined with a KV handoff")
         # It may have stopped serving during the awaits above: submit checks again.
-        return self.generations.submit(ids, params, rid, session, owner, arrival)
+        return self.generations.submit(ids, params, rid, session, owner, arrival, handoff)
 
     async def prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
         """The request's prompt as ids (texts and conversations within --max-prompt-bytes,
@@ -218,6 +229,16 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         else:
             check_text(req.text, self.limits)  # before tokenizing it
         return await self.off_loop(req.text, convert.prompt_ids, req, self.llm.tokenizer)
+
+    async def open_stream(self, req: pb.GenerateRequest, context, handoff: dict) -> RequestStream:
+        """Validate and submit a KV handoff request (KvHandoff.Prefill); the caller reads its
+        events and must ``close_stream`` it."""
+        return await self._open(req, context, handoff)
+
+    def close_stream(self, stream: RequestStream | None, rpc: str, outcome: str) -> None:
+        self._close(stream, rpc, outcome)
+
+    terminal = staticmethod(terminal)  # public: a terminal event -> (reason, usage, ttft, total), or its ServeError
 
     @staticmethod
     def _cancel_outcome(context) -> str:

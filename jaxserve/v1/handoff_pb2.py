@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from jaxserve.v1 import jaxserve_pb2 as jaxserve_dot_v1_dot_jaxserve__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19jaxserve/v1/handoff.proto\x12\x0bjaxserve.v1\x1a\x1ajaxserve/v1/jaxserve.proto\"Y\n\x0ePrefillRequest\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.jaxserve.v1.GenerateRequest\x12\x18\n\x10target_kv_layout\x18\x02 \x01(\t\"\x85\x03\n\x0cHandoffOffer\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x11\n\tkv_layout\x18\x06 \x01(\t\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12\x17\n\x0f\x66irst_token_ids\x18\t \x03(\r\x12\x15\n\rprefix_hashes\x18\n \x03(\x0c\x12\x0e\n\x06\x64igest\x18\x0b \x01(\t\x12\x15\n\rpayload_bytes\x18\x0c \x01(\x04\x12\x16\n\x0e\x65xpires_unix_s\x18\r \x01(\x01\x12\x0f\n\x07\x61\x64\x64ress\x18\x0e \x01(\t\x12\x11\n\ttransport\x18\x0f \x01(\t\x12\x18\n\x10transfer_address\x18\x10 \x01(\t\x12\x15\n\rcached_tokens\x18\x11 \x01(\r\"\'\n\x10PullPagesRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"6\n\tPageChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\"5\n\x0eReleaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06pulled\x18\x02 \x01(\x08\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x86\x01\n\rDecodeRequest\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.jaxserve.v1.GenerateRequest\x12(\n\x05offer\x18\x02 \x01(\x0b\x32\x19.jaxserve.v1.HandoffOffer\x12\x1c\n\x14recompute_on_failure\x18\x03 \x01(\x08\x32\xa7\x02\n\tKvHandoff\x12\x41\n\x07Prefill\x12\x1b.jaxserve.v1.PrefillRequest\x1a\x19.jaxserve.v1.HandoffOffer\x12\x44\n\tPullPages\x12\x1d.jaxserve.v1.PullPagesRequest\x1a\x16.jaxserve.v1.PageChunk0\x01\x12\x44\n\x07Release\x12\x1b.jaxserve.v1.ReleaseRequest\x1a\x1c.jaxserve.v1.ReleaseResponse\x12K\n\x06\x44\x65\x63ode\x12\x1a.jaxserve.v1.DecodeRequest\x1a#.jaxserve.v1.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19jaxserve/v1/handoff.proto\x12\x0bjaxserve.v1\x1a\x1ajaxserve/v1/jaxserve.proto\"l\n\x0ePrefillRequest\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.jaxserve.v1.GenerateRequest\x12\x18\n\x10target_kv_layout\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\"\x9c\x03\n\x0cHandoffOffer\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x11\n\tkv_layout\x18\x06 \x01(\t\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12\x17\n\x0f\x66irst_token_ids\x18\t \x03(\r\x12\x15\n\rprefix_hashes\x18\n \x03(\x0c\x12\x0e\n\x06\x64igest\x18\x0b \x01(\t\x12\x15\n\rpayload_bytes\x18\x0c \x01(\x04\x12\x16\n\x0e\x65xpires_unix_s\x18\r \x01(\x01\x12\x0f\n\x07\x61\x64\x64ress\x18\x0e \x01(\t\x12\x11\n\ttransport\x18\x0f \x01(\t\x12\x18\n\x10transfer_address\x18\x10 \x01(\t\x12\x15\n\rcached_tokens\x18\x11 \x01(\r\x12\x15\n\rsampling_seed\x18\x12 \x01(\x03\"\'\n\x10PullPagesRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"6\n\tPageChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\"5\n\x0eReleaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06pulled\x18\x02 \x01(\x08\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x86\x01\n\rDecodeRequest\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.jaxserve.v1.GenerateRequest\x12(\n\x05offer\x18\x02 \x01(\x0b\x32\x19.jaxserve.v1.HandoffOffer\x12\x1c\n\x14recompute_on_failure\x18\x03 \x01(\x08\x32\xa7\x02\n\tKvHandoff\x12\x41\n\x07Prefill\x12\x1b.jaxserve.v1.PrefillRequest\x1a\x19.jaxserve.v1.HandoffOffer\x12\x44\n\tPullPages\x12\x1d.jaxserve.v1.PullPagesRequest\x1a\x16.jaxserve.v1.PageChunk0\x01\x12\x44\n\x07Release\x12\x1b.jaxserve.v1.ReleaseRequest\x1a\x1c.jaxserve.v1.ReleaseResponse\x12K\n\x06\x44\x65\x63ode\x12\x1a.jaxserve.v1.DecodeRequest\x1a#.jaxserve.v1.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jaxserve.v1.handoff_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=70
-  _globals['_PREFILLREQUEST']._serialized_end=159
-  _globals['_HANDOFFOFFER']._serialized_start=162
-  _globals['_HANDOFFOFFER']._serialized_end=551
-  _globals['_PULLPAGESREQUEST']._serialized_start=553
-  _globals['_PULLPAGESREQUEST']._serialized_end=592
-  _globals['_PAGECHUNK']._serialized_start=594
-  _globals['_PAGECHUNK']._serialized_end=648
-  _globals['_RELEASEREQUEST']._serialized_start=650
-  _globals['_RELEASEREQUEST']._serialized_end=703
-  _globals['_RELEASERESPONSE']._serialized_start=705
-  _globals['_RELEASERESPONSE']._serialized_end=740
-  _globals['_DECODEREQUEST']._serialized_start=743
-  _globals['_DECODEREQUEST']._serialized_end=877
-  _globals['_KVHANDOFF']._serialized_start=880
-  _globals['_KVHANDOFF']._serialized_end=1175
+  _globals['_PREFILLREQUEST']._serialized_end=178
+  _globals['_HANDOFFOFFER']._serialized_start=181
+  _globals['_HANDOFFOFFER']._serialized_end=593
+  _globals['_PULLPAGESREQUEST']._serialized_start=595
+  _globals['_PULLPAGESREQUEST']._serialized_end=634
+  _globals['_PAGECHUNK']._serialized_start=636
+  _globals['_PAGECHUNK']._serialized_end=690
+  _globals['_RELEASEREQUEST']._serialized_start=692
+  _globals['_RELEASEREQUEST']._serialized_end=745
+  _globals['_RELEASERESPONSE']._serialized_start=747
+  _globals['_RELEASERESPONSE']._serialized_end=782
+  _globals['_DECODEREQUEST']._serialized_start=785
+  _globals['_DECODEREQUEST']._serialized_end=919
+  _globals['_KVHANDOFF']._serialized_start=922
+  _globals['_KVHANDOFF']._serialized_end=1217
 # @@protoc_insertion_point(module_scope)

@@ -8,15 +8,17 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request", "target_kv_layout")
+    __slots__ = ("request", "target_kv_layout", "transport")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     TARGET_KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     request: _jaxserve_pb2.GenerateRequest
     target_kv_layout: str
-    def __init__(self, request: _Optional[_Union[_jaxserve_pb2.GenerateRequest, _Mapping]] = ..., target_kv_layout: _Optional[str] = ...) -> None: ...
+    transport: str
+    def __init__(self, request: _Optional[_Union[_jaxserve_pb2.GenerateRequest, _Mapping]] = ..., target_kv_layout: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class HandoffOffer(_message.Message):
-    __slots__ = ("protocol_version", "transfer_id", "request_id", "session_id", "model_fingerprint", "kv_layout", "num_tokens", "prompt_token_ids", "first_token_ids", "prefix_hashes", "digest", "payload_bytes", "expires_unix_s", "address", "transport", "transfer_address", "cached_tokens")
+    __slots__ = ("protocol_version", "transfer_id", "request_id", "session_id", "model_fingerprint", "kv_layout", "num_tokens", "prompt_token_ids", "first_token_ids", "prefix_hashes", "digest", "payload_bytes", "expires_unix_s", "address", "transport", "transfer_address", "cached_tokens", "sampling_seed")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +36,7 @@ class HandoffOffer(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_SEED_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     transfer_id: str
     request_id: str
@@ -51,7 +54,8 @@ class HandoffOffer(_message.Message):
     transport: str
     transfer_address: str
     cached_tokens: int
-    def __init__(self, protocol_version: _Optional[int] = ..., transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_layout: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., prefix_hashes: _Optional[_Iterable[bytes]] = ..., digest: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., expires_unix_s: _Optional[float] = ..., address: _Optional[str] = ..., transport: _Optional[str] = ..., transfer_address: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    sampling_seed: int
+    def __init__(self, protocol_version: _Optional[int] = ..., transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_layout: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., prefix_hashes: _Optional[_Iterable[bytes]] = ..., digest: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., expires_unix_s: _Optional[float] = ..., address: _Optional[str] = ..., transport: _Optional[str] = ..., transfer_address: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., sampling_seed: _Optional[int] = ...) -> None: ...
 
 class PullPagesRequest(_message.Message):
     __slots__ = ("transfer_id",)

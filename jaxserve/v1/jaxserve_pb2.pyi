@@ -265,7 +265,7 @@ class KvPages(_message.Message):
     def __init__(self, total: _Optional[int] = ..., used: _Optional[int] = ..., free: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("architecture", "model", "dtype", "prefill", "decode", "page_size", "num_pages", "max_context", "vocab_size", "fingerprint", "has_tokenizer", "eos_token_ids", "max_num_seqs", "max_waiting", "integrity_check", "kv_pages", "replica_id", "memory")
+    __slots__ = ("architecture", "model", "dtype", "prefill", "decode", "page_size", "num_pages", "max_context", "vocab_size", "fingerprint", "has_tokenizer", "eos_token_ids", "max_num_seqs", "max_waiting", "integrity_check", "kv_pages", "replica_id", "memory", "role", "kv_layout", "handoff_fingerprint")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +284,9 @@ class ModelInfo(_message.Message):
     KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     model: str
     dtype: str
@@ -302,7 +305,10 @@ class ModelInfo(_message.Message):
     kv_pages: KvPages
     replica_id: str
     memory: MemoryReport
-    def __init__(self, architecture: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., prefill: _Optional[_Union[PhaseFormats, _Mapping]] = ..., decode: _Optional[_Union[PhaseFormats, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., fingerprint: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_num_seqs: _Optional[int] = ..., max_waiting: _Optional[int] = ..., integrity_check: _Optional[bool] = ..., kv_pages: _Optional[_Union[KvPages, _Mapping]] = ..., replica_id: _Optional[str] = ..., memory: _Optional[_Union[MemoryReport, _Mapping]] = ...) -> None: ...
+    role: str
+    kv_layout: str
+    handoff_fingerprint: str
+    def __init__(self, architecture: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., prefill: _Optional[_Union[PhaseFormats, _Mapping]] = ..., decode: _Optional[_Union[PhaseFormats, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., fingerprint: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_num_seqs: _Optional[int] = ..., max_waiting: _Optional[int] = ..., integrity_check: _Optional[bool] = ..., kv_pages: _Optional[_Union[KvPages, _Mapping]] = ..., replica_id: _Optional[str] = ..., memory: _Optional[_Union[MemoryReport, _Mapping]] = ..., role: _Optional[str] = ..., kv_layout: _Optional[str] = ..., handoff_fingerprint: _Optional[str] = ...) -> None: ...
 
 class MemoryReport(_message.Message):
     __slots__ = ("weight_bytes_prefill", "weight_bytes_decode", "weight_bytes_resident", "kv_bytes", "kv_pages", "kv_bytes_per_token", "max_cached_tokens")

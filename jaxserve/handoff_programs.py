@@ -1,0 +1,158 @@
+"""The jitted programs of a KV handoff, one per page-count bucket: export (gather a request's
+pages, convert them to a target KV format, digest) and import (digest, then scatter into the
+pool only if the digest matches). ``ModelRunner`` owns one and runs them on its pools; see
+``jaxserve.kv.handoff`` for the device functions, layouts and digest.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.kv import handoff
+from jaxserve.kv.formats import KVFormat, get_kv_format, kv_format_names
+from jaxserve.kv.handoff import KvPayload, digest_hex
+
+
+class HandoffPrograms:
+    """init_kv: the model's ``init_kv``; fmt: the pool's format; max_pages: the most pages one
+    request can hold (the largest bucket)."""
+
+    def __init__(self, init_kv, architecture: str, fmt: KVFormat, page_size: int, max_pages: int):
+        self.fmt, self.page_size, self.architecture = fmt, page_size, architecture
+        self.buckets = []
+        b = 4
+        while b < max_pages:
+            self.buckets.append(b)
+            b *= 2
+        self.buckets.append(b)
+        self._shapes = {name: handoff.pool_shapes(init_kv, get_kv_format(name), page_size) for name in kv_format_names()}
+        self._axes = {name: handoff.page_axes(*shapes) for name, shapes in self._shapes.items()}
+        self.axes = self._axes[fmt.name]  # the page axis of every pool of this engine
+        self._jitted: dict = {}
+
+    def bucket(self, num_pages: int) -> int:
+        for b in self.buckets:
+            if b >= num_pages:
+                return b
+        raise ValueError(f"{num_pages} pages exceed the largest handoff bucket {self.buckets[-1]}")
+
+    def layout(self, fmt: str | None = None) -> str:
+        """The layout signature of this model's pools in ``fmt`` (default: the pool's own)."""
+        f = get_kv_format(fmt or self.fmt.name)
+        return handoff.layout_signature(self.architecture, self._shapes[f.name][0], self._axes[f.name], f,
+                                        self.page_size)
+
+    def format_for_layout(self, layout: str) -> str | None:
+        """The KV format whose layout signature is ``layout`` ('' = the pool's own); None if none."""
+        if not layout:
+            return self.fmt.name
+        return next((name for name in kv_format_names() if self.layout(name) == layout), None)
+
+    def specs(self, fmt: str, num_pages: int) -> list[jax.ShapeDtypeStruct]:
+        """The payload of ``num_pages`` pages in ``fmt``, bucketed: one spec per pool."""
+        f = get_kv_format(fmt).name
+        return handoff.payload_specs(self._shapes[f][0], self._axes[f], self.bucket(num_pages))
+
+    def leaf_axes(self, fmt: str | None = None) -> list[int]:
+        """The page axis of every payload leaf in ``fmt`` (default the pool's own), in leaf order."""
+        return jax.tree.leaves(self._axes[get_kv_format(fmt or self.fmt.name).name])
+
+    # ------------------------------------------------------------------ programs
+    def _export_fn(self, dst: str):
+        key = ("export", dst)
+        if key not in self._jitted:
+            src, axes, target = self.fmt, self.axes, get_kv_format(dst)
+            dst_axes = self._axes[target.name]
+
+            def export(kv, pages, n):
+                payload, d = handoff.gather_convert(kv, pages, n, src, target, axes, dst_axes)
+                return jax.tree.leaves(payload), d
+
+            self._jitted[key] = jax.jit(export)
+        return self._jitted[key]
+
+    def _import_fn(self):
+        if "import" not in self._jitted:
+            axes, shapes = self.axes, self._shapes[self.fmt.name][0]
+
+            def import_(kv, leaves, pages, expected):
+                payload = jax.tree.unflatten(jax.tree.structure(shapes), leaves)
+                return handoff.verify_scatter(kv, payload, pages, expected, axes)
+
+            self._jitted["import"] = jax.jit(import_, donate_argnums=(0,))
+        return self._jitted["import"]
+
+    def export(self, kv, pages: list[int], dst: str) -> handoff.KvPayload:
+        """The pages ``pages`` of ``kv`` converted to ``dst`` (a KV format name), digested."""
+        dst = get_kv_format(dst).name
+        b = self.bucket(len(pages))
+        idx = np.zeros(b, np.int32)
+        idx[: len(pages)] = pages
+        leaves, d = self._export_fn(dst)(kv, jnp.asarray(idx), jnp.int32(len(pages)))
+        return handoff.KvPayload(dst, len(pages), b, leaves, d)
+
+    def import_(self, kv, num_pool_pages: int, pages: list[int], payload: handoff.KvPayload, expected):
+        """-> (kv, ok, digest): ``payload`` written at ``pages`` if its digest is ``expected``
+        (its arrays are placed as the pools are, e.g. split by KV head under a mesh)."""
+        if payload.fmt != self.fmt.name or payload.num_pages != len(pages):
+            raise ValueError(f"a {payload.fmt} payload of {payload.num_pages} pages cannot fill {len(pages)} "
+                             f"{self.fmt.name} pages")
+        idx = np.full(payload.bucket, num_pool_pages, np.int32)
+        idx[: len(pages)] = pages
+        leaves = [jax.device_put(x, pool.sharding) for x, pool in zip(payload.leaves, jax.tree.leaves(kv))]
+        return self._import_fn()(kv, leaves, jnp.asarray(idx), jnp.asarray(expected, jnp.uint32))
+
+    def compiled(self) -> int:
+        """Programs compiled so far (every bucket of every variant)."""
+        return sum(f._cache_size() for f in self._jitted.values())
+
+
+class HandoffRunnerMixin:
+    """``ModelRunner``'s KV handoff methods (its pools are ``self.kv``; ``self.handoff`` its
+    ``HandoffPrograms``)."""
+
+    def export_pages(self, pages: list[int], fmt: str) -> KvPayload:
+        """A request's pages gathered out of the pool, converted to KV format ``fmt`` and
+        digested on device (``HandoffPrograms.export``): a snapshot, the pool is not changed."""
+        return self._counted(lambda: self.handoff.export(self.kv, pages, fmt), "KV export")
+
+    def import_pages(self, pages: list[int], payload: KvPayload, expected) -> tuple[bool, str]:
+        """Write ``payload`` into ``pages`` if its digest on device equals ``expected`` (uint32
+        [2]); -> (ok, the digest found, as hex). A mismatch writes nothing."""
+        def run():
+            self.kv, ok, got = self.handoff.import_(self.kv, self.num_pages, pages, payload, expected)
+            return bool(ok), digest_hex(got)
+
+        return self._counted(run, "KV import")
+
+    def _counted(self, fn, what: str):
+        before = self.handoff.compiled()
+        out = fn()
+        if self.warm and self.handoff.compiled() != before:
+            self.recompiled(f"{what} program compiled after warm-up")
+        return out
+
+    def warmup_handoff(self, export_formats: list[str], imports: bool) -> None:
+        """Compile the KV export (to each of ``export_formats``) and import programs, every
+        page-count bucket (the all-null page lists write nothing)."""
+        for b in self.handoff.buckets:
+            pages = [0] * b
+            for fmt in export_formats:
+                payload = self.handoff.export(self.kv, pages, fmt)
+            if imports:
+                payload = self.handoff.export(self.kv, pages, self.fmt.name)
+                self.kv, _, _ = self.handoff.import_(self.kv, self.num_pages, [self.num_pages] * b, payload,
+                                                     np.zeros(2, np.uint32))
+
+
+def weights_digest(leaves) -> str:
+    """sha256 over arrays: per array its index, dtype and shape, then its bytes (in order)."""
+    h = hashlib.sha256()
+    for i, leaf in enumerate(leaves):
+        a = np.ascontiguousarray(np.asarray(leaf))
+        h.update(f"{i}:{a.dtype.name}:{a.shape};".encode())
+        h.update(a.reshape(-1).view(np.uint8))
+    return h.hexdigest()
