@@ -241,6 +241,13 @@ class JaxServeService(pb_grpc.JaxServeServicer):
     def close(self) -> None:
         self._large_texts.shutdown(wait=False, cancel_futures=True)
 
+    def fail_all(self, error: ServeError) -> None:
+        """End every generation in flight with ``error`` now, from the event loop, without
+        the engine thread (which may be blocked for good: a lost replica process)."""
+        for stream in list(self.active.values()):
+            if not stream.done:
+                stream.queue.put_nowait(("error", error))
+
     def _update_sessions(self) -> None:
         self.metrics.active_sessions.set(len({s.session_id for s in self.active.values() if s.session_id}))
 
