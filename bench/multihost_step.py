@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's jaxserve, whatever is installed
 ENGINE = dict(num_pages=128, page_size=16, max_num_seqs=8, max_prefill_seqs=2, prefill_chunk=64,
               max_num_batched_tokens=128, max_model_len=256)
 
