@@ -59,7 +59,6 @@ def single(moe):
     for fmt in worker.FORMATS:
         llm = LLM(moe, kv_format=fmt, num_devices=8, **worker.ENGINE)
         out[fmt] = worker.reference(llm)
-        out[fmt]["long"] = np.array(llm.generate([worker.PROMPT[:5]], **LONG)[0])
     return out
 
 
@@ -134,8 +133,6 @@ def test_grpc_tokens_peer_loss_and_restart(moe, single):
             group[0].wait_for("SERVING on", 150)
             with Client(f"127.0.0.1:{port}", timeout=30) as client:
                 check_tokens(client, single[kv_format])
-                long = client.generate(worker.PROMPT[:5], **LONG)
-                assert list(long.token_ids) == single[kv_format]["long"].tolist()
                 fail_in_flight(client, group, sig, bound)
         finally:
             for p in group:
