@@ -66,14 +66,16 @@ def test_two_processes_match_one_process_logprobs_and_tokens(moe, single, tmp_pa
     out = tmp_path / "two.npz"
     coord, step = f"127.0.0.1:{free_port()}", str(free_port())
     cmd = [sys.executable, "-m", "tests.server.multihost_worker", moe, coord, step]
-    procs = [subprocess.Popen(cmd + [str(i), str(out)], env=group_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in (1, 0)]
+    logs = [tmp_path / f"process{i}.log" for i in (1, 0)]  # files: a full pipe cannot block a process
+    procs = [subprocess.Popen(cmd + [str(i), str(out)], env=group_env(), stdout=log.open("w"),
+                              stderr=subprocess.STDOUT) for i, log in zip((1, 0), logs)]
     try:
-        logs = [p.communicate(timeout=150)[0] for p in procs]
+        for p in procs:
+            p.wait(timeout=150)
     finally:
         for p in procs:
             p.kill()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log.read_text() for log in logs)
     got = np.load(out)
     for fmt in worker.FORMATS:
         ref = single[fmt]
