@@ -28,6 +28,32 @@ def reference(llm) -> dict:
             "sampled": np.array(sampled)}
 
 
+class ReadLog:
+    """An array-like host tensor that records which slices are read from it."""
+
+    def __init__(self, array):
+        self.array, self.reads = array, []
+        self.shape, self.dtype = array.shape, array.dtype
+
+    def __getitem__(self, index):
+        self.reads.append([(s.start or 0, s.stop if s.stop is not None else n)
+                           for s, n in zip(index, self.shape)])
+        return self.array[index]
+
+
+def placed_rows(process_id: int):
+    """Place an [8, 3] tensor split by rows over the 8-device mesh -> (rows this process read,
+    whether its shards hold exactly those rows)."""
+    import numpy as np
+
+    from jaxserve.sharding import MODEL_AXIS, NamedSharding, PartitionSpec, make_mesh, place
+
+    src = ReadLog(np.arange(24, dtype=np.float32).reshape(8, 3))
+    arr = place(src, NamedSharding(make_mesh(8), PartitionSpec(MODEL_AXIS)), np.float32)
+    ok = all(np.array_equal(np.asarray(s.data), src.array[s.index]) for s in arr.addressable_shards)
+    return np.array([r[0] for r in src.reads]), ok
+
+
 def main(model: str, coordinator: str, step_port: str, process_id: str, out: str) -> int:
     import numpy as np
 
@@ -42,6 +68,8 @@ def main(model: str, coordinator: str, step_port: str, process_id: str, out: str
     initialize(group, init_timeout_s=60)
     from jaxserve import LLM
 
+    rows, ok = placed_rows(group.process_id)
+    np.savez(f"{out}.process{process_id}.npz", rows=rows, ok=ok)
     channel, results = None, {}
     for fmt in FORMATS:
         llm = LLM(model, kv_format=fmt, num_devices=8, **ENGINE)  # every process: its own shards

@@ -3,7 +3,8 @@ the same model on 1 process x 8 devices: the tiny DeepSeek-V3 MoE (experts split
 devices, 4 per process), bf16 and fp8 KV.
 
 - Log-probs: through the Python API on the mirrored runner (``multihost_worker``), since the
-  gRPC API does not carry log-probs.
+  gRPC API does not carry log-probs; there each process also places a row-split tensor and
+  reads only its own devices' rows.
 - Tokens: through ``jaxserve serve --num-processes 2`` and the gRPC front.
 - Failure: killing process 1 mid-generation fails the request in flight with UNAVAILABLE and
   turns health NOT_SERVING within a bound; process 0 exits with EXIT_PEER_LOST; the group
@@ -76,6 +77,9 @@ def test_two_processes_match_one_process_logprobs_and_tokens(moe, single, tmp_pa
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], "\n".join(log.read_text() for log in logs)
+    for i in (0, 1):  # each process read only the rows its own devices hold, one row per device
+        placed = np.load(f"{out}.process{i}.npz")
+        assert bool(placed["ok"]) and sorted(map(tuple, placed["rows"])) == [(r, r + 1) for r in range(4 * i, 4 * i + 4)]
     got = np.load(out)
     for fmt in worker.FORMATS:
         ref = single[fmt]
