@@ -21,7 +21,6 @@ import json
 import os
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -31,7 +30,7 @@ from jaxserve.checkpoint.safetensors_io import SafetensorsFile
 from jaxserve.config import ConfigError, ModelConfig
 from jaxserve.models import config_from_dict, get_architecture, text_model_config, wrapper_name
 from jaxserve.quant.phase import PhaseWeight, matrix_view, place
-from jaxserve.sharding import Mesh, config_for_mesh, named, pad_vocab, unpadded_shape
+from jaxserve.sharding import Mesh, config_for_mesh, named, pad_vocab, place as place_array, unpadded_shape
 
 
 def _list_shown(names, n=8) -> str:
@@ -192,9 +191,11 @@ def _load_plain(cfg, spec, read, key: str, var, mesh):
             f"{_list_shown(spec.sources, 2)} gives shape {tuple(arr.shape)} for {key}, "
             f"expected {tuple(unpadded_shape(cfg, want.shape, axes))}"
         )
+    if mesh is not None and tuple(arr.shape) == tuple(want.shape):  # converted slice by slice where placed
+        return place_array(arr, named(mesh, axes, arr.shape, key), want.dtype)
     arr = pad_vocab(np.asarray(arr).astype(want.dtype), axes, want.shape, key)
     if mesh is not None:
-        return jax.device_put(arr, named(mesh, axes, arr.shape, key))
+        return place_array(arr, named(mesh, axes, arr.shape, key))
     return jnp.asarray(arr)
 
 

@@ -11,6 +11,12 @@ to the null page and writes nothing, and the caller aborts its request.
 Parameters are passed as the flat leaves of the NNX state (cheaper to dispatch than an
 ``nnx.State``). After ``warmup()`` any new compilation of a serving program is counted, and
 raises ``RecompilationError`` when ``strict`` (tests), else is logged as a warning (serving).
+
+A mesh over several processes (``jaxserve.multihost``): every process makes the same device
+calls in the same order. Process 0 sets a mirror (``set_mirror``) that sends each call's host
+inputs to the others before making it; they replay it (``step`` / ``apply_padded_updates``).
+The logits come back replicated, and ``step`` returns process 0's local copy, so sampling
+runs on process 0 alone.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, pad_updates
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.attention_backends import get_backend
 from jaxserve.models.step import StepInput
+from jaxserve.buckets import bucket, pick_bucket, pow2_buckets, token_buckets  # noqa: F401 (re-exported)
 from jaxserve.quant.linear import describe, fixed_row_tiles, resolve_backend, use_backend
 from jaxserve.quant.phase import PhaseWeight, phase_states
 from jaxserve.sharding import MODEL_AXIS, Mesh, NamedSharding, PartitionSpec, replicated
@@ -38,40 +45,6 @@ BATCH_INVARIANT_ROWS = 8  # rows per matmul tile in batch-invariant mode (a row'
 
 class RecompilationError(RuntimeError):
     """A serving program compiled after warm-up (a shape escaped the padding buckets)."""
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """Smallest power of two >= max(n, minimum)."""
-    n = max(n, minimum)
-    return 1 << (n - 1).bit_length()
-
-
-def pow2_buckets(lo: int, hi: int) -> list[int]:
-    out, b = [], bucket(lo)
-    while b < hi:
-        out.append(b)
-        b *= 2
-    return out + [bucket(hi)]
-
-
-def token_buckets(lo: int, hi: int) -> list[int]:
-    """Prefill token-count buckets: the powers of two from ``lo`` up to cover ``hi``, plus the
-    3/4 point below each one from 64 on (48, 96, 192, ...), which cuts the padding of a chunk
-    just past a power of two (a 70-token prompt pads to 96, not 128)."""
-    out = set()
-    for b in pow2_buckets(lo, hi):
-        out.add(b)
-        if b >= 64 and b * 3 // 4 >= lo:
-            out.add(b * 3 // 4)
-    return sorted(out)
-
-
-def pick_bucket(n: int, buckets: list[int]) -> int:
-    """The smallest bucket >= n (buckets sorted); an n past the last is a caller bug."""
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
 @dataclasses.dataclass
@@ -141,6 +114,15 @@ class ModelRunner(HandoffRunnerMixin):
         self.row_tile = BATCH_INVARIANT_ROWS if batch_invariant else 0  # 0: whole-batch ops (faster)
         self.strict = strict  # a compilation after warm-up raises (else it is logged and counted)
         self.compiles_after_warmup = 0
+        self._mirror = None
+        # The mesh reaches devices of other processes: outputs are replicated for process 0.
+        self.spans_processes = mesh is not None and any(
+            d.process_index != jax.process_index() for d in mesh.devices.flat)
+
+    def set_mirror(self, fn) -> None:
+        """fn(kind, arrays, meta) runs before every device call of ``step`` ("step") and of the
+        generation updates ("updates"), with the call's numpy inputs (multi-process serving)."""
+        self._mirror = fn
 
     def _commit_inputs(self, kv) -> None:
         """Commit every program input to its device(s) from the start, as the programs' outputs
@@ -218,6 +200,9 @@ class ModelRunner(HandoffRunnerMixin):
                     page_table=tracker.redirect(inp.page_table, ok),
                 )
                 logits, kv = forward(params, kv, safe)
+                if self.spans_processes:  # every process holds all of them; process 0 reads its copy
+                    logits, ok, cause = (jax.lax.with_sharding_constraint(x, replicated(self.mesh))
+                                         for x in (logits, ok, cause))
                 return logits, kv, ok, cause
 
             self._jitted[key] = jax.jit(step, donate_argnums=(1,))
@@ -250,8 +235,13 @@ class ModelRunner(HandoffRunnerMixin):
         """Bring the device generations up to date with the block manager's bumps."""
         if len(pages) == 0 or not self.tracker.enabled:
             return
-        p, c = pad_updates(pages, counts)
-        self.generation = self._apply_updates_fn()(self.generation, jnp.asarray(p), jnp.asarray(c))
+        self.apply_padded_updates(*pad_updates(pages, counts))
+
+    def apply_padded_updates(self, pages: np.ndarray, counts: np.ndarray) -> None:
+        """The generation update on padded int32 [n] pages / counts (n a power of two)."""
+        if self._mirror is not None:
+            self._mirror("updates", (pages, counts), {})
+        self.generation = self._apply_updates_fn()(self.generation, jnp.asarray(pages), jnp.asarray(counts))
 
     def step(self, phase: str, tokens, cached_lens, new_lens, page_table, expected, num_pages_used,
              all_logits: bool = False) -> StepResult:
@@ -259,6 +249,10 @@ class ModelRunner(HandoffRunnerMixin):
         ``all_logits`` (scoring, never while serving) the logits are [B, T, V] and its
         compilations are not serving compilations."""
         fn = self._program(phase, all_logits)
+        if self._mirror is not None:
+            host = tuple(np.asarray(x, np.int32) for x in (tokens, cached_lens, new_lens, page_table, expected,
+                                                           num_pages_used))
+            self._mirror("step", host, {"phase": phase, "all_logits": all_logits})
         inp = StepInput(
             tokens=jnp.asarray(tokens, jnp.int32),
             cached_lens=jnp.asarray(cached_lens, jnp.int32),
@@ -272,6 +266,8 @@ class ModelRunner(HandoffRunnerMixin):
         )
         if self.warm and not all_logits and fn._cache_size() != before:
             self.recompiled(f"{phase} program compiled after warm-up for shape tokens={tuple(inp.tokens.shape)}")
+        if self.spans_processes:
+            logits = logits.addressable_data(0)
         return StepResult(logits, np.asarray(ok), np.asarray(cause))
 
     def recompiled(self, msg: str) -> None:
@@ -311,8 +307,8 @@ class ModelRunner(HandoffRunnerMixin):
         if self.tracker.enabled:  # the generation update, at every padded size a step can need
             size = 8
             while True:
-                z = jnp.zeros((size,), jnp.int32)
-                self.generation = self._apply_updates_fn()(self.generation, z, z)  # count 0: a no-op
+                z = np.zeros((size,), np.int32)
+                self.apply_padded_updates(z, z)  # count 0: a no-op
                 if size >= self.num_pages:
                     break
                 size *= 2

@@ -39,6 +39,8 @@ class ShardingError(ValueError):
 
 
 def make_mesh(num_devices: int) -> Mesh:
+    """The first ``num_devices`` of ``jax.devices()``: under ``jax.distributed`` those are every
+    process's devices (process 0's first), so one mesh spans the processes."""
     devices = jax.devices()
     if num_devices < 1:
         raise ShardingError(f"num_devices must be >= 1, got {num_devices}")
@@ -114,3 +116,16 @@ def named(mesh: Mesh, logical_axes, shape, name: str = "") -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def place(arr, sharding: NamedSharding, dtype=None) -> jax.Array:
+    """A host array (e.g. a memory-mapped checkpoint tensor) on ``sharding``, as ``dtype``.
+
+    On a mesh over several processes each process reads and converts only the slices its
+    own devices hold (``jax.make_array_from_callback``): no host holds a full copy of a
+    sharded weight, and a memory-mapped tensor's other slices are never read."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(np.asarray(arr) if dtype is None else np.asarray(arr).astype(dtype), sharding)
+    dtype = np.dtype(dtype or arr.dtype)
+    return jax.make_array_from_callback(tuple(arr.shape), sharding,
+                                        lambda index: np.ascontiguousarray(arr[index], dtype=dtype))

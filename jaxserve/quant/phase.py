@@ -26,6 +26,7 @@ from flax import nnx
 
 from jaxserve.quant.formats import get_weight_format
 from jaxserve.quant.qweight import QuantizedWeight, shardings_for
+from jaxserve.sharding import place as place_array
 
 # Parameter paths (as "/"-joined NNX paths) holding matmul weights.
 _MATMUL = re.compile(
@@ -84,7 +85,9 @@ qw_shardings = shardings_for  # kept as the name the checkpoint code uses
 
 def place(qw: QuantizedWeight, weight_axes, mesh, name: str = "") -> QuantizedWeight:
     """Put a host QuantizedWeight on device: sharded by ``qw_shardings`` under a mesh."""
-    return jax.device_put(qw, qw_shardings(qw, weight_axes, mesh, name)) if mesh is not None else jax.device_put(qw)
+    if mesh is None:
+        return jax.device_put(qw)
+    return jax.tree.map(place_array, qw, qw_shardings(qw, weight_axes, mesh, name))
 
 
 class PhaseSetError(ValueError):

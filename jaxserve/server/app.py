@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxserve.server import convert
+from jaxserve.server import convert, errors
 from jaxserve.server.auth import ApiKeys
 from jaxserve.server.engine_loop import EngineLoop
 from jaxserve.server.guard import RequestGuard
@@ -52,7 +52,10 @@ class Server:
     OpenAI-compatible HTTP API on host:http_port (None = off, 0 = a free port: read
     ``.http_port``), with the same keys and limits, over TLS with http_tls (``HttpTls``);
     served_model_name: the model's name there (default: the checkpoint's directory name).
-    The weights are hashed here, once, for the fingerprint in GetModelInfo.
+    The weights are hashed here, once, for the fingerprint in GetModelInfo. group: process 0's
+    ``multihost.StepLeader`` of a multi-process replica (None: one process); when it loses a
+    process, the server turns NOT_SERVING, fails every request in flight with UNAVAILABLE and
+    sets ``replica_lost``.
     """
 
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = 0,
@@ -60,7 +63,7 @@ class Server:
                  credentials=None, keys: ApiKeys | None = None, max_id_length: int = convert.MAX_ID_LENGTH,
                  limits: ServeLimits | None = None, http_port: int | None = None, http_tls: HttpTls | None = None,
                  served_model_name: str | None = None, kv_transport: str = "grpc", handoff_ttl_s: float = 30.0,
-                 pull_timeout_s: float = 10.0):
+                 pull_timeout_s: float = 10.0, group=None):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         convert.check_id_options(max_id_length, replica_id)
@@ -71,7 +74,10 @@ class Server:
         self.engine_stopped = True  # False if stop() left a warm-up still compiling
         self.max_waiting = max_waiting
         self.metrics = ServerMetrics()
-        self.info = convert.model_info(llm, max_waiting, replica_id or "")
+        self.group = group
+        peers = [group.digests[p] for p in sorted(group.digests)] if group is not None else ()
+        self.info = convert.model_info(llm, max_waiting, replica_id or "", peers)
+        self.replica_lost: asyncio.Event | None = None
         self._replica_id = replica_id
         # A prefill or decode worker also serves KvHandoff (the KV handoff between them).
         self.handoff_options = dict(transport=kv_transport, ttl_s=handoff_ttl_s, pull_timeout_s=pull_timeout_s)
@@ -86,10 +92,12 @@ class Server:
         and turns health SERVING when every serving program is compiled."""
         loop = asyncio.get_running_loop()
         self._ready = asyncio.Event()
+        self.replica_lost = asyncio.Event()
         self.health = health.aio.HealthServicer()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _NOT_SERVING)
-        self.engine_loop = EngineLoop(self.llm.engine, self.metrics, loop, self._on_ready, self._on_failed)
+        self.engine_loop = EngineLoop(self.llm.engine, self.metrics, loop, self._on_ready, self._on_failed,
+                                      self._explain_step_error if self.group is not None else None)
         self.service = JaxServeService(self.llm, self.engine_loop, self.metrics, self.info, self.max_waiting,
                                        keys=self.keys, max_id_length=self.max_id_length, limits=self.limits)
         self._watchdog = asyncio.ensure_future(self.service.watch_unread())
@@ -142,6 +150,8 @@ class Server:
                  "(%d B/token, %s tokens)", f"{m.weight_bytes_prefill:,}", f"{m.weight_bytes_decode:,}",
                  f"{m.weight_bytes_resident:,}", f"{m.kv_bytes:,}", m.kv_pages, self.info.page_size,
                  m.kv_bytes_per_token, f"{m.max_cached_tokens:,}")
+        if self.group is not None:
+            self.group.on_lost(lambda reason: loop.call_soon_threadsafe(self._on_replica_lost, reason))
         self.engine_loop.start()
 
     @property
@@ -174,6 +184,32 @@ class Server:
         self.failure = error
         self.service.phase = "failed"
         self._ready.set()
+
+    def _explain_step_error(self, error: Exception) -> Exception:  # engine thread
+        """A failed step of a multi-process replica: a lost process if the step channel
+        confirms one within its peer timeout, else the error itself."""
+        from jaxserve.multihost.channel import ReplicaLost
+
+        reason = self.group.wait_lost(self.group.group.peer_timeout_s)
+        return ReplicaLost(reason) if reason is not None else error
+
+    def _on_replica_lost(self, reason: str) -> None:  # event loop thread
+        """A process of the replica is gone: the collectives may never complete, so nothing
+        waits for the engine thread. Health NOT_SERVING, new requests UNAVAILABLE, every
+        request in flight fails now with UNAVAILABLE naming the cause."""
+        if self.replica_lost.is_set():
+            return
+        self.failure = RuntimeError(f"replica lost: {reason}")
+        self.service.phase = "failed"
+        self.metrics.serving.set(0)
+        self.service.fail_all(errors.replica_lost(reason))
+        asyncio.ensure_future(self._set_health(_NOT_SERVING))
+        self.replica_lost.set()
+        self._ready.set()
+
+    async def _set_health(self, status) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Until warm-up is done and health is SERVING; raises if warm-up failed."""

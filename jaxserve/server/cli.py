@@ -16,6 +16,7 @@ import signal
 import sys
 
 from jaxserve.server.client_cli import register_client
+from jaxserve.server.group import add_group_args
 
 log = logging.getLogger("jaxserve.server")
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -59,7 +60,9 @@ def register_serve(sub) -> None:
                    help="seconds running requests get to finish on SIGTERM/SIGINT")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="activations and loaded weights (auto: bfloat16 on a GPU, float32 elsewhere)")
-    p.add_argument("--num-devices", type=int, default=1)
+    p.add_argument("--num-devices", type=int, default=None,
+                   help="devices of the mesh (default 1; a multi-process replica: every device of every process)")
+    add_group_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     from jaxserve.cli_args import add_engine_args
 
@@ -158,16 +161,24 @@ def _run(args) -> tuple[int, bool]:
     args.limits = limits_from(args)  # ValueError (exit code 2) before the model loads
     for path in remove_stale_conversions():
         log.info("removed %s, left by a conversion whose process died", path)
+    from jaxserve.server import group as replica_group
+
+    group = replica_group.group_from_args(args)
     log.info("loading %s", args.model or "the default model")
-    ensure_cpu_devices(args.num_devices)
+    ensure_cpu_devices(replica_group.local_device_count(group, args.num_devices))
     enable_compile_cache()
+    num_devices = replica_group.join(group, args.num_devices) if group is not None else args.num_devices or 1
     from jaxserve.llm import LLM
 
     kv_format = args.kv_format or {"prefill": "bf16", "decode": "fp8_e4m3"}.get(args.role)
-    llm = LLM(args.model, dtype=args.dtype, kv_format=kv_format, num_devices=args.num_devices,
+    llm = LLM(args.model, dtype=args.dtype, kv_format=kv_format, num_devices=num_devices,
               keep_finished=0,  # each request's last output carries its completion
               role=args.role, kv_handoff_format=args.kv_handoff_format, **engine_kwargs(args))
-    return asyncio.run(_serve(args, llm, keys, credentials))
+    if group is not None and not group.is_leader:
+        code = replica_group.follow(group, llm)
+        return code, code == 0
+    leader = replica_group.lead(group, llm) if group is not None else None
+    return asyncio.run(_serve(args, llm, keys, credentials, leader))
 
 
 def _warn_if_exposed(host: str, keys, credentials) -> None:
@@ -184,8 +195,9 @@ def _warn_if_exposed(host: str, keys, credentials) -> None:
         log.warning("listening on %s without TLS: API keys cross the network in plaintext (--tls-cert)", host)
 
 
-async def _serve(args, llm, keys, credentials) -> tuple[int, bool]:
-    """-> (exit code, whether the engine thread has ended)."""
+async def _serve(args, llm, keys, credentials, leader=None) -> tuple[int, bool]:
+    """-> (exit code, whether the engine thread has ended). leader: process 0's step channel
+    of a multi-process replica; a lost process ends the server with EXIT_PEER_LOST."""
     from jaxserve.server.app import Server
 
     stop = asyncio.Event()
@@ -200,7 +212,7 @@ async def _serve(args, llm, keys, credentials) -> tuple[int, bool]:
                     metrics_host=args.metrics_host, credentials=credentials, keys=keys,
                     max_id_length=args.max_id_length, limits=args.limits, http_port=args.http_port,
                     http_tls=http_tls, served_model_name=args.served_model_name, kv_transport=args.kv_transport,
-                    handoff_ttl_s=args.handoff_ttl, pull_timeout_s=args.pull_timeout)
+                    handoff_ttl_s=args.handoff_ttl, pull_timeout_s=args.pull_timeout, group=leader)
     await server.start()
     security = (f"{'TLS' if credentials is not None else 'plaintext'}, "
                 f"{f'{len(keys)} API key(s)' if keys.enabled else 'no API key'}")
@@ -213,9 +225,10 @@ async def _serve(args, llm, keys, credentials) -> tuple[int, bool]:
     _warn_if_exposed(args.host, keys, credentials)
     ready = asyncio.ensure_future(server.wait_ready())
     stopping = asyncio.ensure_future(stop.wait())
+    lost = asyncio.ensure_future(server.replica_lost.wait())
     await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
-    if ready.done():
+    if ready.done() and not server.replica_lost.is_set():
         if ready.exception() is not None:
             print(f"jaxserve serve: error: {ready.exception()}", file=sys.stderr, flush=True)
             code = 1
@@ -223,12 +236,31 @@ async def _serve(args, llm, keys, credentials) -> tuple[int, bool]:
             i = server.info
             print(f"jaxserve: SERVING on {server.target} ({i.architecture}, role {i.role}, weights "
                   f"{i.decode.weights}, kv {i.decode.kv_cache}, fingerprint {i.fingerprint[:12]})", flush=True)
-            await stopping
+            await asyncio.wait({stopping, lost}, return_when=asyncio.FIRST_COMPLETED)
+    if server.replica_lost.is_set():
+        lost.cancel()
+        return await _replica_lost(args, server)
     ready.cancel()
+    lost.cancel()
     print(f"jaxserve: draining (up to {args.drain_timeout:g}s)", flush=True)
     await server.stop(args.drain_timeout)
+    if leader is not None:
+        leader.close()  # the other processes end their loops
     print("jaxserve: stopped", flush=True)
     return code, server.engine_stopped
+
+
+async def _replica_lost(args, server) -> tuple[int, bool]:
+    """A process of the replica is gone: health is NOT_SERVING and the requests in flight have
+    failed (``Server``). Health stays visible for --peer-timeout seconds (probes and routers
+    see it), then the process exits with EXIT_PEER_LOST so the launcher restarts the group; the
+    engine thread is not waited for (its collective may never return)."""
+    from jaxserve.multihost.launch import EXIT_PEER_LOST
+
+    print(f"jaxserve: {server.failure}; NOT_SERVING, exiting in {args.peer_timeout:g}s "
+          f"(code {EXIT_PEER_LOST})", flush=True)
+    await asyncio.sleep(args.peer_timeout)
+    return EXIT_PEER_LOST, False
 
 
 def main(argv=None) -> int:

@@ -14,6 +14,7 @@ import pathlib
 import numpy as np
 
 from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.multihost.digest import shard_digest
 from jaxserve.server import errors
 from jaxserve.v1 import jaxserve_pb2 as pb
 
@@ -190,10 +191,17 @@ def phase_formats(llm) -> dict[str, dict[str, str]]:
             for phase in ("prefill", "decode")}
 
 
-def fingerprint(params, formats: dict) -> str:
-    """sha256 over every weight (index, dtype, shape, bytes, in load order) + the formats."""
+def fingerprint(params, formats: dict, peer_digests=()) -> str:
+    """sha256 over every weight (index, dtype, shape, bytes, in load order) + the formats. A
+    weight sharded over several processes (a multi-process replica) is hashed as the shards
+    this process owns plus ``peer_digests``, the other processes' ``shard_digest``s."""
     h = hashlib.sha256()
+    h.update(shard_digest(params).encode())
+    for d in peer_digests:
+        h.update(d.encode())
     for i, leaf in enumerate(params):
+        if not getattr(leaf, "is_fully_addressable", True):
+            continue  # in shard_digest
         a = np.ascontiguousarray(np.asarray(leaf))
         h.update(f"{i}:{a.dtype.name}:{a.shape};".encode())
         h.update(a.reshape(-1).view(np.uint8))  # byte view: works for bfloat16 / fp8 too
@@ -207,9 +215,9 @@ def model_name(llm) -> str:
     return pathlib.PurePath(path).name if path else ""
 
 
-def model_info(llm, max_waiting: int, replica_id: str) -> pb.ModelInfo:
+def model_info(llm, max_waiting: int, replica_id: str, peer_digests=()) -> pb.ModelInfo:
     """The static part of GetModelInfo (kv_pages is filled per call). Hashes every weight:
-    call once at startup."""
+    call once at startup (``peer_digests``: see ``fingerprint``)."""
     formats = phase_formats(llm)
     eng = llm.engine
     tok = llm.tokenizer
@@ -223,7 +231,7 @@ def model_info(llm, max_waiting: int, replica_id: str) -> pb.ModelInfo:
         num_pages=eng.config.num_pages,
         max_context=eng.max_model_len,
         vocab_size=llm.cfg.vocab_size,
-        fingerprint=fingerprint(llm.runner.params, formats),
+        fingerprint=fingerprint(llm.runner.params, formats, peer_digests),
         has_tokenizer=tok is not None,
         eos_token_ids=sorted(eng.eos_token_ids),
         max_num_seqs=eng.config.max_num_seqs,

@@ -85,11 +85,15 @@ class _Live:
 
 class EngineLoop:
     def __init__(self, engine, metrics, loop: asyncio.AbstractEventLoop,
-                 on_ready: Callable[[], None], on_failed: Callable[[BaseException], None]):
+                 on_ready: Callable[[], None], on_failed: Callable[[BaseException], None],
+                 explain_error: Callable[[Exception], Exception] | None = None):
+        """explain_error(e): the error the requests in flight get when a step raises e (on
+        the engine thread; e.g. a multi-process replica's lost process behind a failed collective)."""
         self.engine = engine
         self.metrics = metrics
         self.loop = loop
         self._on_ready, self._on_failed = on_ready, on_failed
+        self._explain = explain_error or (lambda e: e)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}  # engine thread only
         self._out: list = []  # engine thread only: events of this iteration
@@ -242,6 +246,7 @@ class EngineLoop:
         except Exception as e:  # a bug: fail the requests in flight (INTERNAL), keep serving
             log.exception("engine.step() failed; aborting %d requests in flight", len(self._live))
             self.metrics.engine_errors.inc()
+            e = self._explain(e)
             for eid, live in list(self._live.items()):
                 try:
                     self.engine.abort(eid)  # frees the pages

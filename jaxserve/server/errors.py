@@ -18,6 +18,8 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from jaxserve.multihost.channel import ReplicaLost
+
 PUSHBACK_KEY = "grpc-retry-pushback-ms"
 RETRY_AFTER_KEY = "retry-after-ms"
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
@@ -99,10 +101,18 @@ def internal(error: BaseException) -> ServeError:
     return ServeError(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}")
 
 
+def replica_lost(reason: str) -> ServeError:
+    return ServeError(grpc.StatusCode.UNAVAILABLE, f"this replica lost one of its processes ({reason}); "
+                      "it is restarting: retry elsewhere", retry_after_s=5.0)
+
+
 def from_exception(error: BaseException) -> ServeError:
-    """Engine exceptions -> status: ValueError is bad input, anything else a bug."""
+    """Engine exceptions -> status: ValueError is bad input, a lost process of a multi-process
+    replica UNAVAILABLE, anything else a bug."""
     if isinstance(error, ServeError):
         return error
+    if isinstance(error, ReplicaLost):
+        return replica_lost(str(error))
     if isinstance(error, ValueError):
         return invalid_argument(str(error))
     return internal(error)

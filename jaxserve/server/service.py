@@ -261,6 +261,14 @@ class JaxServeService(pb_grpc.JaxServeServicer):
     def close(self) -> None:
         self._large_texts.shutdown(wait=False, cancel_futures=True)
 
+    def fail_all(self, error: ServeError) -> None:
+        """End every generation in flight with ``error`` now, from the event loop, without
+        the engine thread (which may be blocked for good: a lost replica process)."""
+        for stream in list(self.active.values()):
+            for s in (stream, *stream.choices):
+                if not s.done:
+                    s.queue.put_nowait(("error", error))
+
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no generation is in flight (for a graceful drain); False on timeout."""
         return await self.generations.wait_idle(timeout)

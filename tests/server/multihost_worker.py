@@ -1,0 +1,95 @@
+"""One process of a 2-process x 4-device replica driven through the Python API: process 0
+mirrors its runner to process 1 over the step channel, exactly as ``jaxserve serve`` does,
+and writes prompt log-probs and generated tokens (per KV format) to an .npz file.
+
+    python -m tests.server.multihost_worker MODEL COORDINATOR STEP_PORT PROCESS_ID OUT.npz
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+PROMPT = [5, 17, 42, 99, 3, 250, 8, 61, 77, 12, 140, 33, 2, 200]
+FORMATS = ("bf16", "fp8_e4m3")
+ENGINE = dict(num_pages=32, page_size=8, max_num_seqs=2, max_prefill_seqs=1, prefill_chunk=16,
+              max_num_batched_tokens=16, max_model_len=64)
+SAMPLED = dict(max_tokens=6, temperature=0.8, top_k=20, seed=5, ignore_eos=True)
+
+
+def reference(llm) -> dict:
+    """What the test compares: the prompt's log-probs [T, V], greedy and sampled tokens with
+    their log-probs."""
+    import numpy as np
+
+    greedy = llm.generate([PROMPT], max_tokens=6, ignore_eos=True, logprobs=0)[0]
+    sampled = llm.generate([PROMPT[:9]], **SAMPLED)[0]
+    return {"prompt_logprobs": llm.logprobs(PROMPT), "greedy": np.array(greedy),
+            "greedy_logprobs": np.array([lp for lp, _ in greedy.logprobs], np.float32),
+            "sampled": np.array(sampled)}
+
+
+class ReadLog:
+    """An array-like host tensor that records which slices are read from it."""
+
+    def __init__(self, array):
+        self.array, self.reads = array, []
+        self.shape, self.dtype = array.shape, array.dtype
+
+    def __getitem__(self, index):
+        self.reads.append([(s.start or 0, s.stop if s.stop is not None else n)
+                           for s, n in zip(index, self.shape)])
+        return self.array[index]
+
+
+def placed_rows(process_id: int):
+    """Place an [8, 3] tensor split by rows over the 8-device mesh -> (rows this process read,
+    whether its shards hold exactly those rows)."""
+    import numpy as np
+
+    from jaxserve.sharding import MODEL_AXIS, NamedSharding, PartitionSpec, make_mesh, place
+
+    src = ReadLog(np.arange(24, dtype=np.float32).reshape(8, 3))
+    arr = place(src, NamedSharding(make_mesh(8), PartitionSpec(MODEL_AXIS)), np.float32)
+    ok = all(np.array_equal(np.asarray(s.data), src.array[s.index]) for s in arr.addressable_shards)
+    return np.array([r[0] for r in src.reads]), ok
+
+
+def main(model: str, coordinator: str, step_port: str, process_id: str, out: str) -> int:
+    import numpy as np
+
+    from jaxserve.multihost.channel import StepFollower, StepLeader
+    from jaxserve.multihost.follower import follow
+    from jaxserve.multihost.launch import group_config, initialize
+
+    import jax
+
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)  # the tests' compile cache (env)
+    group = group_config(coordinator, 2, int(process_id), step_port=int(step_port), peer_timeout_s=20)
+    initialize(group, init_timeout_s=60)
+    from jaxserve import LLM
+
+    rows, ok = placed_rows(group.process_id)
+    np.savez(f"{out}.process{process_id}.npz", rows=rows, ok=ok)
+    channel, results = None, {}
+    for fmt in FORMATS:
+        llm = LLM(model, kv_format=fmt, num_devices=8, **ENGINE)  # every process: its own shards
+        if group.is_leader:
+            channel = channel or StepLeader(group, "127.0.0.1", accept_timeout_s=60)
+            llm.runner.set_mirror(channel.send)
+            results.update({f"{fmt}/{k}": v for k, v in reference(llm).items()})
+            channel.send("stop")
+        else:
+            channel = channel or StepFollower(group, connect_timeout_s=60)
+            follow(llm.runner, channel)
+    if group.is_leader:
+        np.savez(out, **results)
+        channel.close()
+    else:
+        channel.close()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"  # before jax is imported
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    sys.exit(main(*sys.argv[1:]))
