@@ -95,7 +95,8 @@ class Dispatcher:
                     async for msg in relay_stream(attempt, call, route):
                         if not generated and msg.delta.token_ids:  # prefilled: its pages are cached now
                             self.policy.record(worker, ids)
-                        generated += msg.delta.token_ids
+                        if msg.delta.index == 0:  # choice 0's completion (n > 1: the others too)
+                            generated += msg.delta.token_ids
                         yield msg
             except WorkerError as e:
                 self._failed(worker, e)

@@ -110,20 +110,20 @@ async def call_unary(attempt: Attempt, call):
 
 
 async def relay_stream(attempt: Attempt, call, route: Route):
-    """The messages of a worker stream, Start held until the first Delta or the End
-    (``route.relayed`` turns True with the first message passed on). Raises WorkerError."""
+    """The messages of a worker stream, the Start events (one per choice) held until the first
+    Delta or End (``route.relayed`` turns True with the first message passed on). Raises
+    WorkerError."""
     attempt.call = call
-    held = None
+    held = []
     try:
         async for msg in call:
             if msg.WhichOneof("event") == "start":
-                held = msg
+                held.append(msg)
                 continue
-            if held is not None:
-                route.relayed = True
-                yield held
-                held = None
             route.relayed = True
+            for start in held:
+                yield start
+            held = []
             yield msg
     except grpc.RpcError as e:
         raise from_rpc_error(attempt, e) from None
@@ -140,3 +140,35 @@ def abort_events(route: Route, prompt_tokens: int):
                                                          prompt_tokens=prompt_tokens))
     yield pb.GenerateStreamResponse(end=pb.StreamEnd(finish_reason=pb.FINISH_REASON_ABORT,
                                                      usage=pb.Usage(prompt_tokens=prompt_tokens)))
+
+
+async def collect_response(events, request_id: str, session_id: str, n: int = 1) -> pb.GenerateResponse:
+    """A unary GenerateResponse from a worker stream's events, as a worker's Generate builds it:
+    choice 0 in the top-level fields; with n > 1 every choice in ``choices``, the completion
+    tokens summed and the timing spanning them all."""
+    choices, ends = [pb.Choice(index=i) for i in range(n)], [None] * n
+    async for msg in events:
+        kind = msg.WhichOneof("event")
+        if kind == "delta":
+            c = choices[msg.delta.index]
+            c.token_ids.extend(msg.delta.token_ids)
+            c.text += msg.delta.text
+            c.logprobs.extend(msg.delta.logprobs)
+        elif kind == "end":
+            ends[msg.end.index] = msg.end
+            choices[msg.end.index].finish_reason = msg.end.finish_reason
+            choices[msg.end.index].completion_tokens = msg.end.usage.completion_tokens
+    first, end = choices[0], ends[0] or pb.StreamEnd()
+    resp = pb.GenerateResponse(request_id=request_id, session_id=session_id, token_ids=first.token_ids,
+                               text=first.text, finish_reason=end.finish_reason, usage=end.usage,
+                               timing=end.timing, logprobs=first.logprobs)
+    if n > 1:
+        done = [e for e in ends if e is not None]
+        resp.usage.completion_tokens = sum(e.usage.completion_tokens for e in done)
+        firsts = [e.timing.time_to_first_token_s for e in done if e.timing.HasField("time_to_first_token_s")]
+        resp.timing.Clear()
+        if firsts:
+            resp.timing.time_to_first_token_s = min(firsts)
+        resp.timing.total_s = max((e.timing.total_s for e in done), default=0.0)
+        resp.choices.extend(choices)
+    return resp

@@ -21,7 +21,7 @@ import grpc
 from jaxserve.router.affinity import two_choices
 from jaxserve.router.flows import Dispatcher, no_worker
 from jaxserve.router.pool import Attempt, Worker
-from jaxserve.router.relay import Route, WorkerError, call_unary
+from jaxserve.router.relay import Route, WorkerError, call_unary, collect_response
 from jaxserve.server import convert, errors
 from jaxserve.server.auth import API_KEY_HEADER, AUTH_HEADER, ApiKeys
 from jaxserve.server.errors import ServeError
@@ -107,16 +107,8 @@ class RouterService(pb_grpc.JaxServeServicer):
         try:
             route = self._open(request, context)
             events = self.dispatcher.events(request, route)
-            resp = pb.GenerateResponse(request_id=route.request_id, session_id=route.session_id)
-            async for msg in events:
-                kind = msg.WhichOneof("event")
-                if kind == "delta":
-                    resp.token_ids.extend(msg.delta.token_ids)
-                    resp.text += msg.delta.text
-                elif kind == "end":
-                    resp.finish_reason, outcome = msg.end.finish_reason, self._reason(msg.end)
-                    resp.usage.CopyFrom(msg.end.usage)
-                    resp.timing.CopyFrom(msg.end.timing)
+            resp = await collect_response(events, route.request_id, route.session_id, request.n or 1)
+            outcome = self._reason(resp)
             await self._headers(route, context)
             return resp
         except ServeError as e:

@@ -69,6 +69,26 @@ def _replica(client: Client, prompt, **kw) -> tuple:
     return resp, dict(call.initial_metadata())["x-jaxserve-replica"]
 
 
+def test_choices_log_probs_and_conversations_are_a_workers(cluster):
+    """n > 1, log-probs with alternatives and multi-turn messages pass through the router as the
+    worker answers them, unary (assembled from the worker's stream) and streamed."""
+    client, direct = cluster["client"], cluster["direct"][0]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name a colour."}]
+    for prompt, kw in [(IDS_A, dict(max_tokens=6, n=3, temperature=0.9, seed=11, logprobs=2, ignore_eos=True)),
+                       (chat, dict(max_tokens=6, logprobs=1))]:
+        want, got = direct.generate(prompt, **kw), client.generate(prompt, **kw)
+        for field in ("token_ids", "text", "finish_reason", "logprobs", "choices"):
+            assert getattr(got, field) == getattr(want, field), (field, kw)
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (want.usage.prompt_tokens,
+                                                                          want.usage.completion_tokens)
+        streamed = list(client.generate_stream(prompt, **kw))
+        starts = [e.start.index for e in streamed if e.WhichOneof("event") == "start"]
+        assert sorted(starts) == list(range(kw.get("n", 1)))  # every choice's Start relayed
+        ids = [t for e in streamed if e.WhichOneof("event") == "delta" and e.delta.index == 0 for t in e.delta.token_ids]
+        assert ids == list(want.token_ids)
+
+
 def test_tokens_and_texts_are_a_workers(cluster):
     client, direct = cluster["client"], cluster["direct"][0]
     for prompt, kw in CASES:
