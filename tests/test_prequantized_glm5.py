@@ -18,7 +18,6 @@ import re
 import numpy as np
 import pytest
 import torch
-from flax import nnx
 from safetensors.torch import load_file
 
 from hf_models import build_glm_moe_dsa
