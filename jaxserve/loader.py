@@ -155,10 +155,15 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = N
     for p, var in nnx.to_flat_state(state):
         key = "/".join(str(k) for k in p)
         spec = specs[key]
-        if plans[key].kind != "plain":
-            loaded.append((p, var.replace(_load_quantized(cfg, plans[key], scheme, read, key, var, mesh))))
+        plan = plans[key]
+        if plan.kind != "plain" and not plan.dense:
+            loaded.append((p, var.replace(_load_quantized(cfg, plan, scheme, read, key, var, mesh))))
             continue
-        loaded.append((p, var.replace(_load_plain(cfg, spec, read, key, var, mesh))))
+        if plan.dense:  # kept in full precision, shipped quantized
+            arr = spec.build(prequantized.dequantized_source(plan, scheme, read, key))
+        else:
+            arr = spec.build(*(read(n) for n in spec.sources))
+        loaded.append((p, var.replace(_load_plain(cfg, spec, arr, key, var, mesh))))
     model = nnx.merge(graphdef, nnx.from_flat_state(loaded))
     return cfg, model
 
@@ -180,11 +185,10 @@ def _check_tensors(path, cfg, arch, scheme, index, plans: dict, note: str = "") 
                           "but no tensor in the checkpoint is stored quantized")
 
 
-def _load_plain(cfg, spec, read, key: str, var, mesh):
-    """An unquantized parameter built from its checkpoint tensors, in the model's dtype, its
-    vocabulary padded for the mesh, placed."""
+def _load_plain(cfg, spec, arr, key: str, var, mesh):
+    """An unquantized parameter (``arr``, built from its checkpoint tensors) in the model's
+    dtype, its vocabulary padded for the mesh, placed."""
     want = var.get_value()
-    arr = spec.build(*(read(n) for n in spec.sources))
     axes = var.get_metadata()["logical_axes"]
     if tuple(arr.shape) != tuple(unpadded_shape(cfg, want.shape, axes)):
         raise CheckpointError(

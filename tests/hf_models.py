@@ -164,3 +164,15 @@ def torch_logprobs(model, ids):
     """float32 [T, vocab] log-probs of a transformers model over the token ids ``ids``."""
     with torch.no_grad():
         return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1).numpy()
+
+
+def paged_decode_logits(llm, prompt, continuation):
+    """Prefill `prompt`, then feed `continuation` one token per decode step; logits per step."""
+    import numpy as np
+
+    runner, s = llm.runner, llm.page_size
+    table = np.array([list(range(1, (len(prompt) + len(continuation)) // s + 2))], np.int32)
+    out = [np.asarray(runner.run(np.array([prompt], np.int32), [0], [len(prompt)], table))[0]]
+    for i, tok in enumerate(continuation):
+        out.append(np.asarray(runner.run(np.array([[tok]], np.int32), [len(prompt) + i], [1], table))[0])
+    return np.stack(out)

@@ -62,6 +62,32 @@ def test_glm5_fp8_vs_int4_bytes_by_hand():
     assert int4.kv_tokens > 2 * fp8.kv_tokens
 
 
+def test_glm5_preset_is_the_config_docs_planner_cites():
+    """docs/PLANNER.md section 2 cites zai-org/GLM-5's config.json field by field; the preset must
+    hold exactly those values (a preset edit that drifts from the cited config fails here)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "PLANNER.md").read_text()
+    section = text[text.index("`glm-5` is the text model of"):text.index("Devices: `h200`")]
+
+    def shown(name):
+        v = GLM5[name]
+        if name == "rope_parameters":
+            return f"{v['rope_type']}, theta {v['rope_theta']:,}"
+        return str(v).lower() if isinstance(v, bool) else f"{v:,}"
+
+    cited = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        for name_cell, value_cell in zip(cells[::3], cells[1::3]):
+            names = re.findall(r"`(\w+)`", name_cell)
+            values = [v.strip() for v in value_cell.split(" / ")] if len(names) > 1 else [value_cell]
+            cited.update(zip(names, values))
+    assert len(cited) == 26
+    assert {k: shown(k) for k in cited} == cited
+
+
 # ---------------------------------------------------------------- parameter counts
 
 

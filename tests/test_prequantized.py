@@ -85,12 +85,16 @@ def ct_pack_int32(q: torch.Tensor) -> torch.Tensor:
 LINEAR = re.compile(r"(_proj|_proj_with_mqa)\.weight$")
 
 
-def make_prequantized(base, dst, kind: str):
-    """Quantize `base`'s checkpoint into `dst`; the dequantized weights go to dst.parent/<name>_ref."""
+INT4_SCOPE = re.compile(r"\.mlp\.experts\.")  # what Kimi K2 ships in int4
+
+
+def make_prequantized(base, dst, kind: str, linear=LINEAR, int4_scope=INT4_SCOPE, ct_config=CT_CONFIG):
+    """Quantize `base`'s checkpoint into `dst`; the dequantized weights go to dst.parent/<name>_ref.
+    fp8: every Linear `linear` matches; int4: those of them `int4_scope` also matches."""
     tensors = load_file(base / "model.safetensors")
     out, plain = {}, {}
     for name, w in tensors.items():
-        quantize = LINEAR.search(name) and (kind == "fp8" or ".mlp.experts." in name)
+        quantize = linear.search(name) and (kind == "fp8" or int4_scope.search(name))
         if not quantize:
             out[name] = plain[name] = w
             continue
@@ -105,7 +109,7 @@ def make_prequantized(base, dst, kind: str):
             out[stem + ".weight_shape"] = torch.tensor(list(w.shape), dtype=torch.int32)
     raw = json.loads((base / "config.json").read_text())
     ref = dst.parent / (dst.name + "_ref")
-    for d, t, qc in ((dst, out, FP8_CONFIG if kind == "fp8" else CT_CONFIG), (ref, plain, None)):
+    for d, t, qc in ((dst, out, FP8_CONFIG if kind == "fp8" else ct_config), (ref, plain, None)):
         d.mkdir()
         save_file(t, d / "model.safetensors", metadata={"format": "pt"})
         (d / "config.json").write_text(json.dumps(dict(raw, quantization_config=qc) if qc else raw))

@@ -164,6 +164,7 @@ class TensorPlan:
 
     kind: str
     names: tuple[str, ...]
+    dense: bool = False  # a weight we keep in full precision, shipped quantized: dequantized on load
 
 
 FP8_SUFFIXES = (".weight", ".weight_scale_inv")
@@ -179,31 +180,48 @@ def plan_tensors(scheme: QuantScheme | None, spec, has: Callable[[str], bool],
     stored(name): its name in the file when that differs (multimodal wrappers), else None.
     """
     plain = TensorPlan("plain", tuple(spec.sources))
-    if scheme is None or not is_matmul_weight(spec.target) or not all(s.endswith(".weight") for s in spec.sources):
+    linear = all(s.endswith(".weight") for s in spec.sources)
+    bases = [s[: -len(".weight")] for s in spec.sources]
+    suffixes, kind = (FP8_SUFFIXES, "fp8") if scheme is not None and scheme.method == "fp8" else (INT4_SUFFIXES, "int4")
+    dense = scheme is not None and linear and not is_matmul_weight(spec.target)
+    if dense:
+        # Kept in full precision by us (e.g. the DSA indexer's float32 weights_proj) but the checkpoint
+        # may ship it quantized (every Linear): then it is read in that form and dequantized on load.
+        quant = [has(b + suffixes[1 if kind == "fp8" else 0]) for b in bases]
+    elif scheme is None or not linear:
+        quant = [False]
+    elif kind == "fp8":
+        quant = [has(b + ".weight_scale_inv") or dtype_of(b + ".weight") == "F8_E4M3" for b in bases]
+    else:
+        quant = [scheme.targeted(b, (stored(b + ".weight") or "")[: -len(".weight")] or None) for b in bases]
+    if not any(quant):
         for s in spec.sources:  # an 8-bit float where we keep full precision would load as garbage
             if (dtype_of(s) or "").startswith("F8"):
                 raise CheckpointError(f"{s} is float8 with no block scale, but jaxserve keeps {spec.target} "
                                       "unquantized (DeepSeek-style FP8 checkpoints keep it in BF16)")
-        return plain
-    bases = [s[: -len(".weight")] for s in spec.sources]
-    if scheme.method == "fp8":
-        quant = [has(b + ".weight_scale_inv") or dtype_of(b + ".weight") == "F8_E4M3" for b in bases]
-        suffixes, kind = FP8_SUFFIXES, "fp8"
-    else:
-        quant = [scheme.targeted(b, (stored(b + ".weight") or "")[: -len(".weight")] or None) for b in bases]
-        suffixes, kind = INT4_SUFFIXES, "int4"
-    if not any(quant):
         return plain
     if not all(quant):  # e.g. some experts of one stack quantized and others not
         q = [b for b, x in zip(bases, quant) if x][:2]
         p = [b for b, x in zip(bases, quant) if not x][:2]
         raise CheckpointError(f"{spec.target} is built from tensors of which some are quantized ({', '.join(q)}) "
                               f"and some are not ({', '.join(p)}); they must be all one or the other")
-    return TensorPlan(kind, tuple(b + s for b in bases for s in suffixes))
+    return TensorPlan(kind, tuple(b + s for b in bases for s in suffixes), dense)
 
 
 def count_quantized(plans) -> int:
     return sum(p.kind != "plain" for p in plans)
+
+
+def dequantized_source(plan: TensorPlan, scheme: QuantScheme, read: Callable[[str], np.ndarray], target: str):
+    """A ``dense`` plan's one source tensor as the checkpoint means it: float32 [out, in]
+    (values x scales; exact for int4, one float32 rounding for fp8), for the weight spec's
+    own transform."""
+    import jax.numpy as jnp
+
+    if len(plan.names) != (len(FP8_SUFFIXES) if plan.kind == "fp8" else len(INT4_SUFFIXES)):
+        raise CheckpointError(f"{target}: a weight kept in full precision is built from one tensor, got {plan.names}")
+    qw = build_quantized(plan, scheme, read, None, target)
+    return np.asarray(qw.dequantize(jnp.float32)).T
 
 
 # ----------------------------------------------------------------------------- conversion
@@ -246,11 +264,12 @@ def _ct_to_ours(packed, scale, shape, group: int, name: str) -> tuple[np.ndarray
 
 
 def build_quantized(plan: TensorPlan, scheme: QuantScheme, read: Callable[[str], np.ndarray],
-                    matrix_shape: tuple[int, ...], target: str) -> QuantizedWeight:
+                    matrix_shape: tuple[int, ...] | None, target: str) -> QuantizedWeight:
     """Read one planned parameter into a QuantizedWeight over our matrix view [..., K, N].
 
     Every quantized parameter's matrix view is the HF weight transposed ([out, in] -> [in, out]),
-    or, for several sources (routed experts), their transposes stacked; checked here by shape.
+    or, for several sources (routed experts), their transposes stacked; checked here by shape
+    (``matrix_shape`` None: a weight to be dequantized, checked by the caller).
     """
     fmt = get_weight_format(scheme.weight_format)
     step = len(FP8_SUFFIXES) if plan.kind == "fp8" else len(INT4_SUFFIXES)
@@ -272,7 +291,7 @@ def build_quantized(plan: TensorPlan, scheme: QuantScheme, read: Callable[[str],
         v, s, shape = values[0], scales[0], tuple(k_n)
     else:
         v, s, shape = np.stack(values), np.stack(scales), (len(groups), *k_n)
-    if shape != tuple(matrix_shape):
+    if matrix_shape is not None and shape != tuple(matrix_shape):
         raise CheckpointError(f"{plan.names[0]} and co. give a {plan.kind} weight of shape {shape} for {target}, "
                               f"expected {tuple(matrix_shape)}")
     if plan.kind == "int4":

@@ -135,6 +135,26 @@ def load_chunk(fmt: KVFormat, pools: dict, name: str, page_chunk, dtype, headed:
     return fmt.dequantize(q, scale, dtype)
 
 
+def position_slots(page_table, positions, page_size: int, num_pages: int):
+    """page_table [B, M], positions [B, T, K] (a row's token positions; -1: none) ->
+    (page, offset, ok) [B, T, K]: where each position lives; ``ok`` is False (and page 0) for
+    a negative position, one past the table or on a page id outside [0, P)."""
+    m = page_table.shape[1]
+    logical = positions // page_size
+    rows = jnp.arange(page_table.shape[0])[:, None, None]
+    page = page_table[rows, jnp.clip(logical, 0, m - 1)]
+    ok = (positions >= 0) & (logical < m) & (page >= 0) & (page < num_pages)
+    return jnp.where(ok, page, 0), positions % page_size, ok
+
+
+def load_slots(fmt: KVFormat, pools: dict, name: str, page, offset, dtype):
+    """Gather and dequantize single slots of pools[name] [P, S, X] at (page, offset) [...] ->
+    [..., X] (the caller masks slots it did not mean to read)."""
+    q = values_view(pools[name][page, offset], fmt)
+    scale = pools[name + "_scale"][page, offset] if fmt.scaled else None
+    return fmt.dequantize(q, scale, dtype)
+
+
 def new_pool(fmt: KVFormat, shape: tuple[int, ...], name: str) -> dict:
     """Zeroed storage for one cached tensor: values `shape` (+ float32 scales shape[:-1])."""
     pools = {name: jnp.zeros(shape, storage_dtype(fmt))}  # all-zero bits = 0.0 in every format

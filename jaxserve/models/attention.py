@@ -187,7 +187,9 @@ def mla_attention_paged(q_lat, q_rope, kv, fmt, page_table, cached_lens, new_len
     q_lat [B, T, H, R], q_rope [B, T, H, Dr] (row b's query t at position cached_lens[b] + t);
     kv pools "latent" [P, S, R], "rope" [P, S, Dr]; cached_lens, new_lens [B];
     select: None, or bool [B, T, M*S]: the positions query t may see at all (sparse attention:
-    the indexer's top-k), on top of causality -> [B, T, H, R] in q_lat.dtype.
+    the indexer's top-k as ``selection_mask``), on top of causality -> [B, T, H, R] in q_lat.dtype.
+    The mask form still reads every cached block; ``mla_attention_selected`` reads only the
+    chosen rows.
     """
     b, t, h, r = q_lat.shape
     dt = q_lat.dtype
@@ -215,3 +217,39 @@ def mla_attention_paged(q_lat, q_rope, kv, fmt, page_table, cached_lens, new_len
     _, l, acc = _context_loop(page_table, cached_lens + new_lens, page_size, cp, init, update)
     return jnp.transpose(_finish(l, acc), (0, 2, 1, 3)).astype(dt)
 
+
+
+# ----------------------------------------------------------------------------- sparse (DSA)
+
+
+def selection_mask(select, slots: int):
+    """Chosen positions int32 [B, T, K] (-1: none) -> bool [B, T, slots]."""
+    b, t, _ = select.shape
+    at = jnp.where(select >= 0, select, slots)  # out of range: dropped
+    rows, toks = jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None]
+    return jnp.zeros((b, t, slots), bool).at[rows, toks, at].set(True, mode="drop")
+
+
+def mla_attention_selected(q_lat, q_rope, kv, fmt, page_table, select, scale: float, page_size: int):
+    """Absorbed-form MLA over only the chosen cached positions (DeepSeek sparse attention, read
+    as a gather: K latent / rope rows per query, whatever the context length).
+
+    q_lat [B, T, H, R], q_rope [B, T, H, Dr]; kv pools "latent" [P, S, R], "rope" [P, S, Dr]
+    already holding this step's tokens; select int32 [B, T, K]: positions query t attends to
+    (the indexer's top-k, causal by construction; -1: none) -> [B, T, H, R] in q_lat.dtype.
+    The gathered rows are [B, T, K, R + Dr]: meant for decode (T small), where it replaces a
+    pass over every cached block by K rows.
+    """
+    dt = q_lat.dtype
+    f32 = jnp.float32
+    page, off, ok = paged.position_slots(page_table, select, page_size, kv["latent"].shape[0])
+    lat = jnp.where(ok[..., None], paged.load_slots(fmt, kv, "latent", page, off, dt), 0)  # [B, T, K, R]
+    rope = paged.load_slots(fmt, kv, "rope", page, off, dt)
+    s = (jnp.einsum("bthr,btkr->bthk", q_lat, lat, preferred_element_type=f32)
+         + jnp.einsum("bthd,btkd->bthk", q_rope, rope, preferred_element_type=f32)) * scale
+    mask = ok[:, :, None, :]
+    s = jnp.where(mask, s, _NEG)
+    p = jnp.where(mask, jnp.exp(s - s.max(-1, keepdims=True)), 0.0)
+    l = p.sum(-1)
+    acc = jnp.einsum("bthk,btkr->bthr", p.astype(dt), lat, preferred_element_type=f32)
+    return (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(dt)

@@ -7,17 +7,22 @@ depend on the schedule. A backend is an object with one method per attention lay
 
 - ``mla(q_lat, q_rope, kv, fmt, new_lat, new_rope, step, scale, page_size)``: absorbed MLA;
 - ``mla_sparse(q_lat, q_rope, kv, fmt, new_lat, new_rope, step, select, scale, page_size)``:
-  absorbed MLA over only the context slots ``select`` [B, T, M*S] marks (DeepSeek sparse
-  attention; the XLA backend only);
+  absorbed MLA over only the positions ``select`` int32 [B, T, K] lists per query (DeepSeek
+  sparse attention's top-k, causal by construction, -1: none; the step's own chosen tokens are
+  read from their pages);
 - ``gqa(q, kv, fmt, new_k, new_v, step, scale, page_size)``: grouped-query attention.
 
 ``new_*`` are the step's K/V as stored (``paged.as_stored``); a backend may read them from the
 pages instead. Backends:
 
 - ``xla``: pure jnp (``attention.*_paged``), one online softmax over pages in fixed position
-  blocks (bitwise the same for a request whatever the schedule);
+  blocks (bitwise the same for a request whatever the schedule); sparse MLA gathers the K
+  chosen rows per query for steps of at most ``SPARSE_GATHER_MAX_TOKENS`` tokens a row
+  (decode), and masks the position blocks with the choice for longer ones (prefill), where a
+  gather of [T, K] rows would outweigh one pass over the context;
 - ``pallas``: the Pallas paged kernels (GPU, Triton) for the cached context, merged by
-  log-sum-exp with the step's own tokens; per device under a mesh (shard_map over heads);
+  log-sum-exp with the step's own tokens; sparse MLA through the sparse kernel fed each
+  query's chosen slots; per device under a mesh (shard_map over heads);
 - ``pallas_interpret``: the same kernels interpreted on CPU (tests).
 """
 from __future__ import annotations
@@ -63,6 +68,9 @@ def by_query_tiles(fn, queries, step, select=None):
     return out.reshape(b, t, *out.shape[3:])
 
 
+SPARSE_GATHER_MAX_TOKENS = 4  # new tokens per row up to which XLA sparse MLA gathers the chosen rows
+
+
 class XlaAttention:
     name = "xla"
 
@@ -70,10 +78,17 @@ class XlaAttention:
         return self.mla_sparse(q_lat, q_rope, kv, fmt, new_lat, new_rope, step, None, scale, page_size)
 
     def mla_sparse(self, q_lat, q_rope, kv, fmt, new_lat, new_rope, step, select, scale: float, page_size: int):
-        return by_query_tiles(
-            lambda ql, qr, st, sel: attention.mla_attention_paged(
-                ql, qr, kv, fmt, st.page_table, st.cached_lens, st.new_lens, scale, page_size, select=sel),
-            (q_lat, q_rope), step, select)
+        def one(ql, qr, st, sel):
+            if sel is None:  # dense
+                return attention.mla_attention_paged(ql, qr, kv, fmt, st.page_table, st.cached_lens, st.new_lens,
+                                                     scale, page_size)
+            if ql.shape[1] <= SPARSE_GATHER_MAX_TOKENS:
+                return attention.mla_attention_selected(ql, qr, kv, fmt, st.page_table, sel, scale, page_size)
+            mask = attention.selection_mask(sel, st.page_table.shape[1] * page_size)
+            return attention.mla_attention_paged(ql, qr, kv, fmt, st.page_table, st.cached_lens, st.new_lens,
+                                                 scale, page_size, select=mask)
+
+        return by_query_tiles(one, (q_lat, q_rope), step, select)
 
     def gqa(self, q, kv, fmt, new_k, new_v, step, scale: float, page_size: int):
         return by_query_tiles(
@@ -96,10 +111,8 @@ class PallasAttention:
                                                      self.interpret, self.mesh)
 
     def mla_sparse(self, q_lat, q_rope, kv, fmt, new_lat, new_rope, step, select, scale: float, page_size: int):
-        raise NotImplementedError(
-            "the Pallas attention backend has no sparse (DSA top-k) MLA kernel yet: serve DSA models "
-            "(GlmMoeDsaForCausalLM) with attention_backend='xla', or with a page table no wider than index_topk"
-        )
+        return attention_pallas.mla_sparse_attention_pallas(q_lat, q_rope, kv, fmt, step, select, scale, page_size,
+                                                            self.interpret, self.mesh)
 
     def gqa(self, q, kv, fmt, new_k, new_v, step, scale: float, page_size: int):
         return attention_pallas.gqa_attention_pallas(q, kv, fmt, new_k, new_v, step, scale, self.interpret,

@@ -75,6 +75,39 @@ def _mla(ql, qr, new_lat, new_rope, page_table, cached_lens, new_lens, lat_pool,
     return out
 
 
+def mla_sparse_attention_pallas(q_lat, q_rope, kv, fmt, step, select, scale: float, page_size: int,
+                                interpret: bool, mesh=None):
+    """DeepSeek sparse attention: q_lat [B, T, H, R], q_rope [B, T, H, Dr], select int32
+    [B, T, K] (each query's chosen positions, -1: none) -> [B, T, H, R].
+
+    Every query is a row of the sparse kernel reading its K chosen slots from the pages (the
+    step's own tokens are in the pages and chosen or not like any other), so there is no
+    own-token block to merge. Under a ``mesh``, per device on its query heads, as ``mla``.
+    """
+    from pallas_kernels.paged_attention import physical_slots
+
+    slots = physical_slots(step.page_table, select, page_size, kv["latent"].shape[0])
+    scales = (kv["latent_scale"], kv["rope_scale"]) if "latent_scale" in kv else ()
+    args = (q_lat, q_rope, slots, paged.values_view(kv["latent"], fmt), paged.values_view(kv["rope"], fmt), *scales)
+    body = functools.partial(_mla_sparse, scale=scale, interpret=interpret)
+    if mesh is None:
+        return body(*args)
+    n, h = mesh.shape[MODEL_AXIS], q_lat.shape[2]
+    heads = P(None, None, MODEL_AXIS) if h % n == 0 else P()
+    return _on_mesh(body, mesh, args, (heads, heads) + (P(),) * (len(args) - 2), heads)
+
+
+def _mla_sparse(ql, qr, slots, lat_pool, rope_pool, *scales, scale, interpret):
+    """One device's sparse MLA: ql [B, T, H, R], qr [B, T, H, Dr], slots [B, T, K] -> [B, T, H, R]."""
+    from pallas_kernels.paged_attention import sparse_attention_mla
+
+    b, t, h, r = ql.shape
+    ls, rs = scales or (None, None)
+    out, _ = sparse_attention_mla(ql.reshape(b * t, h, r), qr.reshape(b * t, h, -1), lat_pool, rope_pool, ls, rs,
+                                  slots.reshape(b * t, -1), scale=scale, interpret=interpret)
+    return out.reshape(b, t, h, r)
+
+
 def gqa_attention_pallas(q, kv, fmt, new_k, new_v, step, scale: float, interpret: bool, mesh=None):
     """q [B, T, H, D], new_k/new_v [B, T, K, D] -> [B, T, H, D].
 

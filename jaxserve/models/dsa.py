@@ -7,7 +7,9 @@ rotated (interleaved RoPE) on their first ``qk_rope_head_dim`` dims. A token's s
 query is ``sum_h w_h * relu(q_h . k * D^-0.5)`` with per-head weights ``w`` projected from the
 hidden state; the top ``index_topk`` visible tokens are kept. The keys are cached per token in
 the layer's ``index_k`` pool [P, S, D] in the KV format, written before scoring, so a step
-scores its own tokens as the cache stores them, as attention does.
+scores its own tokens as the cache stores them, as attention does. The choice goes to the
+attention backend as positions [B, T, index_topk] (``top_k_indices``): the XLA path reads those
+rows (decode) or masks with them (prefill), the Pallas path feeds them to its sparse kernel.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from flax import nnx
 from jaxserve.config import ModelConfig
 from jaxserve.kv import paged
 from jaxserve.kv.formats import KVFormat
+from jaxserve.models.attention import selection_mask
 from jaxserve.models.layers import apply_rope, param
 from jaxserve.quant.linear import linear
 
@@ -53,25 +56,28 @@ class Indexer(nnx.Module):
     def __call__(self, x, q_resid, rope, step, kv: dict, fmt: KVFormat, page_size: int):
         """Write this step's index keys, then choose each query's tokens.
 
-        x [B, T, hidden], q_resid [B, T, q_lora_rank] -> (kv, select bool [B, T, M*S]):
-        select marks the ``index_topk`` best-scored visible slots of each query (every visible
-        slot when it has no more than that).
+        x [B, T, hidden], q_resid [B, T, q_lora_rank] -> (kv, select): select is int32
+        [B, T, index_topk], the positions of each query's ``index_topk`` best-scored visible
+        tokens (-1 for picks past what it sees), or None when the page table holds no more than
+        ``index_topk`` slots (every visible token is chosen: dense attention, nothing to score).
         """
         cfg = self.cfg
         cos, sin = rope
         dr = cfg.qk_rope_head_dim
-        q = linear(q_resid, self.wq_b)  # [B, T, IH, D]
-        q = jnp.concatenate([apply_rope(q[..., :dr], cos, sin, True), q[..., dr:]], axis=-1)
         k = self.k_norm(linear(x, self.wk))  # [B, T, D]
         k = jnp.concatenate([apply_rope(k[..., :dr], cos, sin, True), k[..., dr:]], axis=-1)
         num_pages = kv["index_k"].shape[0]
         page, off = paged.token_slots(step.page_table, step.positions, step.valid, page_size, num_pages)
         kv = paged.store(fmt, kv, "index_k", k, page, off)
+        if step.page_table.shape[1] * page_size <= cfg.index_topk:
+            return kv, None
 
+        q = linear(q_resid, self.wq_b)  # [B, T, IH, D]
+        q = jnp.concatenate([apply_rope(q[..., :dr], cos, sin, True), q[..., dr:]], axis=-1)
         f32 = jnp.float32
         w = linear(x.astype(f32), self.weights_proj, out_dtype=f32) * cfg.index_n_heads**-0.5  # [B, T, IH]
         scores = index_scores(q.astype(f32), w, kv, fmt, step, page_size, cfg.index_head_dim**-0.5)
-        return kv, top_k_select(scores, visible_slots(step, scores.shape[2]), cfg.index_topk)
+        return kv, top_k_indices(scores, visible_slots(step, scores.shape[2]), cfg.index_topk)
 
     def init_kv(self, num_pages: int, page_size: int, fmt: KVFormat) -> dict:
         return paged.new_pool(fmt, (num_pages, page_size, self.cfg.index_head_dim), "index_k")
@@ -115,13 +121,14 @@ def visible_slots(step, slots: int):
     return (c <= step.positions[:, :, None]) & (c < total) & step.valid[:, :, None]
 
 
+def top_k_indices(scores, visible, k: int):
+    """scores f32 [B, T, C], visible bool [B, T, C] -> int32 [B, T, k]: the slots (positions) of
+    each query's k best visible scores, best first; -1 for picks past its visible slots."""
+    _, idx = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), k)
+    return jnp.where(jnp.take_along_axis(visible, idx, axis=2), idx, -1).astype(jnp.int32)
+
+
 def top_k_select(scores, visible, k: int):
-    """scores f32 [B, T, C], visible bool [B, T, C] -> bool [B, T, C]: the k best visible slots
-    of each query (all of them when fewer than k are visible)."""
-    b, t, c = scores.shape
-    masked = jnp.where(visible, scores, -jnp.inf)
-    _, idx = jax.lax.top_k(masked, k)  # [B, T, k]
-    chosen = jnp.zeros((b, t, c), bool).at[
-        jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], idx
-    ].set(True)
-    return chosen & visible
+    """The same choice as a mask: bool [B, T, C], the k best visible slots of each query (all of
+    them when fewer than k are visible)."""
+    return selection_mask(top_k_indices(scores, visible, k), scores.shape[2])

@@ -5,8 +5,9 @@ query. A "full" layer runs its own indexer (and caches its index keys in a third
 ``index_k``); a "shared" layer reuses the selection of the last full layer before it.
 
 When the page table holds no more than ``index_topk`` slots, every visible token is selected
-whatever the scores, so the layers attend densely (the indexer still caches its keys) and any
-attention backend serves them; past that, sparse attention needs the XLA backend.
+whatever the scores, so the layers attend densely (the indexer still caches its keys); past
+that, each backend attends over the chosen positions (``mla_sparse``: the XLA path's gather or
+mask, the Pallas path's sparse kernel).
 """
 from __future__ import annotations
 

@@ -86,11 +86,9 @@ GLM_4_6 = {
     "torch_dtype": "bfloat16",
 }
 
-# GLM-5: the published fields (78 layers, hidden 6144, MLA 512 + 64,
-# 256 experts top-8) plus the rest taken from the defaults of transformers 5.24's
-# GlmMoeDsaConfig (documented against the zai-org/GLM-5 checkpoint). Those are ASSUMED
-# (not checked against the hub's config.json): vocab, q_lora_rank, qk_nope/v head dims,
-# heads, moe/dense intermediate sizes, first_k_dense_replace, indexer heads/dim/top-k.
+# GLM-5: the text model of zai-org/GLM-5's config.json on Hugging Face, field for field (the
+# values and where they were read: docs/PLANNER.md section 2). No indexer_types: every layer
+# runs its own indexer.
 GLM_5 = {
     "architectures": ["GlmMoeDsaForCausalLM"],
     "model_type": "glm_moe_dsa",
@@ -120,6 +118,12 @@ GLM_5 = {
     "tie_word_embeddings": False,
     "num_nextn_predict_layers": 1,
     "max_position_embeddings": 202752,
+    "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"},
+    "rms_norm_eps": 1e-05,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "hidden_act": "silu",
     "torch_dtype": "bfloat16",
 }
 

@@ -36,12 +36,12 @@ from pallas_kernels.paged_attention.merge import merge_partials
 from pallas_kernels.paged_attention.reference import safe_page_table
 
 # Finite mask value: a fully masked chunk never produces inf - inf.
-_MASK = -0.7 * float(np.finfo(np.float32).max)
+MASK = -0.7 * float(np.finfo(np.float32).max)
 BACKENDS = ("triton",)
 _STATIC = ("scale", "interpret", "backend", "block_tokens", "num_splits", "num_warps", "num_stages")
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -49,12 +49,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _dot_nt(a, b):
+def dot_nt(a, b):
     """a [M, K] . b [N, K]^T -> [M, N] float32 accumulation."""
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _online_update(carry, logits, valid, v_scale, v):
+def online_update(carry, logits, valid, v_scale, v):
     """One chunk of online softmax.
 
     carry: o [G, X] f32, m [G] f32, l [G] f32; logits [G, T] f32 (scaled, masked);
@@ -80,7 +80,7 @@ def _chunk_loop(len_ref, out_refs, rows: int, width: int, chunk: int, chunks_per
     last = jnp.minimum((ctx + chunk - 1) // chunk, first + chunks_per_split)
     init = (
         jnp.zeros((rows, width), jnp.float32),
-        jnp.full((rows,), _MASK, jnp.float32),
+        jnp.full((rows,), MASK, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
     o, m, l = lax.fori_loop(first, last, body, init)
@@ -106,13 +106,13 @@ def _gqa_kernel(*refs, scale, page_size, pages_per_chunk, chunks_per_split, quan
     def body(c, carry):
         pages = pt_ref[pl.ds(c * pages_per_chunk, pages_per_chunk)]
         valid = (c * chunk + jnp.arange(chunk, dtype=jnp.int32)) < ctx  # [T]
-        logits = _dot_nt(q, k_ref[pages].reshape(chunk, d).astype(q.dtype))
+        logits = dot_nt(q, k_ref[pages].reshape(chunk, d).astype(q.dtype))
         if quantized:
             logits = logits * ks_ref[pages].reshape(1, chunk)
-        logits = jnp.where(valid[None, :], logits * scale, _MASK)
+        logits = jnp.where(valid[None, :], logits * scale, MASK)
         v = jnp.where(valid[:, None], v_ref[pages].reshape(chunk, d).astype(q.dtype), 0)
         vs = vs_ref[pages].reshape(1, chunk) if quantized else None
-        return _online_update(carry, logits, valid[None, :], vs, v)
+        return online_update(carry, logits, valid[None, :], vs, v)
 
     _chunk_loop(len_ref, (o_ref, lse_ref), rows, d, chunk, chunks_per_split, body)
 
@@ -134,15 +134,15 @@ def _mla_kernel(*refs, scale, page_size, pages_per_chunk, chunks_per_split, quan
         pages = pt_ref[pl.ds(c * pages_per_chunk, pages_per_chunk)]
         valid = (c * chunk + jnp.arange(chunk, dtype=jnp.int32)) < ctx
         lat = lat_ref[pages].reshape(chunk, r).astype(q_lat.dtype)
-        s_lat = _dot_nt(q_lat, lat)
-        s_rope = _dot_nt(q_rope, rope_ref[pages].reshape(chunk, dr).astype(q_rope.dtype))
+        s_lat = dot_nt(q_lat, lat)
+        s_rope = dot_nt(q_rope, rope_ref[pages].reshape(chunk, dr).astype(q_rope.dtype))
         if quantized:
             s_lat = s_lat * ls_ref[pages].reshape(1, chunk)
             s_rope = s_rope * rs_ref[pages].reshape(1, chunk)
-        logits = jnp.where(valid[None, :], (s_lat + s_rope) * scale, _MASK)
+        logits = jnp.where(valid[None, :], (s_lat + s_rope) * scale, MASK)
         v = jnp.where(valid[:, None], lat, 0)
         vs = ls_ref[pages].reshape(1, chunk) if quantized else None
-        return _online_update(carry, logits, valid[None, :], vs, v)
+        return online_update(carry, logits, valid[None, :], vs, v)
 
     _chunk_loop(len_ref, (o_ref, lse_ref), rows, r, chunk, chunks_per_split, body)
 
@@ -161,7 +161,7 @@ def _plan_table(page_table, num_pages: int, page_size: int, block_tokens: int, n
     return pt, ppc, cps
 
 
-def _compiler_params(backend: str, num_warps: int, num_stages: int):
+def compiler_params(backend: str, num_warps: int, num_stages: int):
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} not supported; choose one of {BACKENDS} (Mosaic GPU is not implemented)")
     return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
@@ -181,7 +181,7 @@ def _gqa(q, k_pages, v_pages, k_scale, v_scale, page_table, ctx_lens, *, scale, 
     b, h, d = q.shape
     kvh, p, s, _ = k_pages.shape
     g = h // kvh
-    gp = max(validate.TRITON_MIN_DOT, _next_pow2(g))
+    gp = max(validate.TRITON_MIN_DOT, next_pow2(g))
     qg = jnp.pad(q.reshape(b, kvh, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     pt, ppc, cps = _plan_table(page_table, p, s, block_tokens, num_splits)
     quantized = k_scale is not None
@@ -212,7 +212,7 @@ def _gqa(q, k_pages, v_pages, k_scale, v_scale, page_table, ctx_lens, *, scale, 
             jax.ShapeDtypeStruct((b, num_splits, kvh, gp), jnp.float32),
         ],
         interpret=interpret,
-        compiler_params=_compiler_params(backend, num_warps, num_stages),
+        compiler_params=compiler_params(backend, num_warps, num_stages),
         name=f"paged_gqa_s{s}_g{gp}_d{d}",
     )(*args)
     o, lse = _finish(o, lse, num_splits, q.dtype)
@@ -261,7 +261,7 @@ def _mla(q_lat, q_rope, latent_pages, rope_pages, latent_scale, rope_scale, page
             jax.ShapeDtypeStruct((b, num_splits, hp), jnp.float32),
         ],
         interpret=interpret,
-        compiler_params=_compiler_params(backend, num_warps, num_stages),
+        compiler_params=compiler_params(backend, num_warps, num_stages),
         name=f"paged_mla_s{s}_h{bh}_r{r}",
     )(*args)
     o, lse = _finish(o, lse, num_splits, q_lat.dtype)

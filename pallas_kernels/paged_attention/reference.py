@@ -90,3 +90,25 @@ def paged_attention_mla_reference(
     scores += jnp.einsum("bhd,bcd->bhc", q_rope.astype(jnp.float32), rope, precision=HIGHEST)
     out, lse = _softmax_lse(scores * scale, valid[:, None, :], lat, "bhc,bcr->bhr")
     return out.astype(q_lat.dtype), lse
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def sparse_attention_mla_reference(q_lat, q_rope, latent_pages, rope_pages, latent_scale, rope_scale, slots, *,
+                                   scale: float):
+    """Absorbed MLA over chosen slots. q_lat [N, H, R], q_rope [N, H, Dr]; pages and scales as
+    above; slots [N, K] int32 physical ids page * S + offset (-1 or out of range: none)
+    -> (out [N, H, R] q_lat.dtype, lse [N, H] f32)."""
+    p, s, r = latent_pages.shape
+    valid = (slots >= 0) & (slots < p * s)  # [N, K]
+    ids = jnp.where(valid, slots, 0)
+
+    def gather(pages, scales):  # -> [N, K, X] f32, 0 where not valid (0 * NaN would poison the sum)
+        flat = pages.reshape(p * s, pages.shape[-1])
+        x = _dequant(flat[ids], None if scales is None else scales.reshape(p * s)[ids])
+        return jnp.where(valid[..., None], x, 0.0)
+
+    lat, rope = gather(latent_pages, latent_scale), gather(rope_pages, rope_scale)
+    scores = jnp.einsum("nhr,nkr->nhk", q_lat.astype(jnp.float32), lat, precision=HIGHEST)
+    scores += jnp.einsum("nhd,nkd->nhk", q_rope.astype(jnp.float32), rope, precision=HIGHEST)
+    out, lse = _softmax_lse(scores * scale, valid[:, None, :], lat, "nhk,nkr->nhr")
+    return out.astype(q_lat.dtype), lse

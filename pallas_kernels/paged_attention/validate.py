@@ -147,3 +147,38 @@ def check_mla(q_lat, q_rope, latent_pages, rope_pages, latent_scale, rope_scale,
     m = check_table(page_table, ctx_lens, b, p, s)
     return dict(batch=b, heads=h, rank=r, rope_dim=dr, num_pages=p, page_size=s, pages_per_row=m,
                 quantized=quantized)
+
+
+def check_sparse_mla(q_lat, q_rope, latent_pages, rope_pages, latent_scale, rope_scale, slots) -> dict:
+    """As ``check_mla``, with slots [N, K] int32 physical slot ids (page * S + offset; -1: none)
+    in place of the page table; concrete ids outside [-1, P*S) are an error."""
+    _check_rank("q_lat", q_lat, 3, "[N, H, R]")
+    _check_rank("q_rope", q_rope, 3, "[N, H, Dr]")
+    _check_rank("latent_pages", latent_pages, 3, "[P, S, R]")
+    _check_rank("rope_pages", rope_pages, 3, "[P, S, Dr]")
+    _check_dtype("q_lat", q_lat, Q_DTYPES)
+    _check_dtype("latent_pages", latent_pages, PAGE_DTYPES)
+    if q_rope.dtype != q_lat.dtype:
+        raise TypeError(f"q_rope dtype {q_rope.dtype} != q_lat dtype {q_lat.dtype}")
+    if rope_pages.dtype != latent_pages.dtype:
+        raise TypeError(f"rope_pages dtype {rope_pages.dtype} != latent_pages dtype {latent_pages.dtype}")
+    n, h, r = q_lat.shape
+    p, s, rk = latent_pages.shape
+    dr = q_rope.shape[2]
+    _check_shape("q_rope", q_rope, (n, h, dr))
+    if rk != r:
+        raise ValueError(f"latent rank: q_lat has {r}, latent_pages have {rk}")
+    _check_shape("rope_pages", rope_pages, (p, s, dr))
+    quantized = check_scales(latent_pages.dtype, {"latent_scale": latent_scale, "rope_scale": rope_scale}, (p, s))
+    _check_rank("slots", slots, 2, "[N, K]")
+    _check_dtype("slots", slots, (jnp.int32,))
+    if slots.shape[0] != n:
+        raise ValueError(f"slots: {slots.shape[0]} rows != q_lat rows {n}")
+    if _concrete(slots):
+        ids = np.asarray(slots)
+        bad = (ids < -1) | (ids >= p * s)
+        if bad.any():
+            i, j = np.argwhere(bad)[0]
+            raise ValueError(f"slots[{i}, {j}] = {ids[i, j]} is outside [-1, {p * s}) ({int(bad.sum())} bad ids)")
+    return dict(rows=n, heads=h, rank=r, rope_dim=dr, num_pages=p, page_size=s, topk=slots.shape[1],
+                quantized=quantized)

@@ -4,7 +4,7 @@
 lowering without a GPU, so a jax upgrade or a kernel edit that breaks GPU users fails here.
 Lowering does not run the Triton compiler, so rules it would only enforce on the GPU (tl.dot
 dims >= 16, one dtype per dot, no fp8 operand) are checked on the kernel jaxpr as well.
-Shapes are production-like (GLM-4.6 GQA, Kimi K2 MLA and experts), given as ShapeDtypeStructs.
+Shapes are production-like (GLM-4.6 GQA, Kimi K2 MLA and experts, GLM-5 sparse MLA), given as ShapeDtypeStructs.
 """
 import contextlib
 import functools
@@ -15,7 +15,7 @@ import pytest
 from jax.extend import core as jex
 
 from pallas_kernels.int4_matmul import int4_grouped_matmul, int4_matmul
-from pallas_kernels.paged_attention import paged_attention_gqa, paged_attention_mla
+from pallas_kernels.paged_attention import paged_attention_gqa, paged_attention_mla, sparse_attention_mla
 
 S = jax.ShapeDtypeStruct
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -36,6 +36,15 @@ def _mla_case(dtype, page_size, heads, splits):
     args = (S((B, heads, r), jnp.bfloat16), S((B, heads, dr), jnp.bfloat16), S((P, page_size, r), dtype),
             S((P, page_size, dr), dtype), sc, sc, S((B, M), jnp.int32), S((B,), jnp.int32))
     return functools.partial(paged_attention_mla, scale=(128 + dr) ** -0.5, num_splits=splits), args
+
+
+def _sparse_mla_case(dtype, page_size, heads, topk):
+    """GLM-5's DSA decode: latent 512 + rope 64, each query row's index_topk chosen slots."""
+    r, dr = 512, 64
+    sc = S((P, page_size), jnp.float32) if jnp.dtype(dtype).itemsize == 1 else None
+    args = (S((B, heads, r), jnp.bfloat16), S((B, heads, dr), jnp.bfloat16), S((P, page_size, r), dtype),
+            S((P, page_size, dr), dtype), sc, sc, S((B, topk), jnp.int32))
+    return functools.partial(sparse_attention_mla, scale=(192 + dr) ** -0.5), args
 
 
 def _int4_case(group, dtype, m=8, k=7168, n=2048, tile=None):
@@ -61,6 +70,10 @@ CASES = {
     "mla-bf16-s16-h16": _mla_case(jnp.bfloat16, 16, 16, 1),
     "mla-fp8-s16-h64-split4": _mla_case(jnp.float8_e4m3fn, 16, 64, 4),
     "mla-fp8-s8-h8": _mla_case(jnp.float8_e4m3fn, 8, 8, 1),
+    # GLM-5 sparse attention (DSA): 64 heads (8 a device at tp=8, padded to 16), index_topk 2048.
+    "sparse-mla-bf16-s16-h16-k2048": _sparse_mla_case(jnp.bfloat16, 16, 16, 2048),
+    "sparse-mla-fp8-s64-h8-k2048": _sparse_mla_case(jnp.float8_e4m3fn, 64, 8, 2048),
+    "sparse-mla-fp8-s16-h64-k100": _sparse_mla_case(jnp.float8_e4m3fn, 16, 64, 100),  # K padded to 128
     "int4-g32-bf16": _int4_case(32, jnp.bfloat16),  # inner step G/2 = 16
     "int4-g64-f16": _int4_case(64, jnp.float16),
     "int4-g128-bf16-m1": _int4_case(128, jnp.bfloat16, m=1),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_models import build_glm_moe_dsa, torch_logprobs as ref_logprobs
+from hf_models import build_glm_moe_dsa, paged_decode_logits, torch_logprobs as ref_logprobs
 from jaxserve import LLM
 from jaxserve.config import ConfigError
 from jaxserve.kv.formats import get_kv_format
@@ -65,16 +65,6 @@ def test_greedy_matches_transformers(ckpt, llm):
     assert ours == ref
 
 
-def decode_logits(llm, prompt, continuation):
-    """Prefill `prompt`, then feed `continuation` one token per decode step; logits per step."""
-    runner, s = llm.runner, llm.page_size
-    table = np.array([list(range(1, (len(prompt) + len(continuation)) // s + 2))], np.int32)
-    out = [np.asarray(runner.run(np.array([prompt], np.int32), [0], [len(prompt)], table))[0]]
-    for i, tok in enumerate(continuation):
-        out.append(np.asarray(runner.run(np.array([[tok]], np.int32), [len(prompt) + i], [1], table))[0])
-    return np.stack(out)
-
-
 # The index keys, like the latent, are read back from the pages by prefill and decode alike, so
 # the two agree to float32 rounding (a lossy format also rounds the keys the indexer scores).
 @pytest.mark.parametrize("kv_format,bound", [("float32", 2e-5), ("fp8_e4m3", 2e-2)])
@@ -82,7 +72,7 @@ def test_paged_decode_equals_full_forward(ckpt, kv_format, bound):
     llm = LLM(str(ckpt[0]), kv_format=kv_format, num_pages=64, page_size=8)
     prompt, cont = PROMPT[:12], PROMPT[12:22]
     full = llm.logprobs(PROMPT[:22])[len(prompt) - 1:]
-    dec = np.asarray(torch.log_softmax(torch.tensor(decode_logits(llm, prompt, cont)), -1))
+    dec = np.asarray(torch.log_softmax(torch.tensor(paged_decode_logits(llm, prompt, cont)), -1))
     err = np.abs(dec - full).max()
     print(f"paged decode vs full forward, kv={kv_format}: max |logprob diff| = {err:.3e}")
     assert err <= bound
@@ -143,19 +133,6 @@ def build_config_dict(**extra):
     return {**base, **extra}
 
 
-def test_pallas_backend_dense_within_index_topk_else_a_clear_error(ckpt):
-    """A page table of at most index_topk slots attends densely (any backend); past that the
-    Pallas backend, which has no sparse kernel, refuses with an error naming the way out."""
-    llm = LLM(str(ckpt[0]), dtype="float32", kv_format="float32", num_pages=16, page_size=8,
-              attention_backend="pallas_interpret")
-    ids = PROMPT[:8]  # one page = index_topk slots
-    logits = llm.runner.run(np.array([ids], np.int32), [0], [8], np.array([[3]], np.int32), all_logits=True)
-    lp = np.asarray(torch.log_softmax(torch.tensor(np.asarray(logits)[0]), -1))
-    assert np.abs(lp - ref_logprobs(ckpt[1], ids)).max() <= 1e-4
-    with pytest.raises(NotImplementedError, match="attention_backend='xla'"):
-        llm.logprobs(PROMPT[:12])
-
-
 def test_eight_devices_equal_one(ckpt, llm):
     import jax
 
@@ -197,7 +174,7 @@ def test_glm5_preset_figures_agree_with_the_model():
     from jaxserve.planner.presets import MODEL_PRESETS
 
     raw = {**MODEL_PRESETS["glm-5"], "num_hidden_layers": 5}
-    cfg = config_from_dict({"rope_theta": 1e6, **raw})  # the preset has no rope; no count depends on it
+    cfg = config_from_dict(raw)
     arch = get_architecture(cfg)
     model = nnx.eval_shape(lambda: arch.build(cfg, jax.numpy.bfloat16, nnx.Rngs(0)))
     ours = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
