@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 import uuid
 
 import grpc
@@ -123,7 +124,7 @@ class FakeWorker(pb_grpc.JaxServeServicer, hgrpc.KvHandoffServicer):
 
     async def _stream(self, req: pb.GenerateRequest, context, tokens: list[int], cached: int):
         """Start, one Delta per token (with the switches applied), End."""
-        sw, rid = self.sw, req.request_id
+        sw, rid, t0, ttft = self.sw, req.request_id, time.perf_counter(), None
         abort = self.running[rid] = asyncio.Event()
         try:
             n_prompt = len(self._ids(req))
@@ -140,9 +141,11 @@ class FakeWorker(pb_grpc.JaxServeServicer, hgrpc.KvHandoffServicer):
                     break
                 await asyncio.sleep(sw.token_delay_s)
                 text = f"<{t}>".ljust(sw.delta_text_bytes, ".")
+                ttft = time.perf_counter() - t0 if ttft is None else ttft
                 yield pb.GenerateStreamResponse(delta=pb.TokenDelta(token_ids=[t], text=text))
             usage = pb.Usage(prompt_tokens=n_prompt, completion_tokens=len(tokens), cached_tokens=cached)
-            yield pb.GenerateStreamResponse(end=pb.StreamEnd(finish_reason=reason, usage=usage))
+            timing = pb.Timing(time_to_first_token_s=ttft, total_s=time.perf_counter() - t0)  # from this call
+            yield pb.GenerateStreamResponse(end=pb.StreamEnd(finish_reason=reason, usage=usage, timing=timing))
         except (asyncio.CancelledError, GeneratorExit):
             self.cancelled.append(rid)
             raise
