@@ -80,13 +80,14 @@ class Proc:
                 self.proc.kill()
 
 
-def serve(model: str | None, flags: str, *extra: str) -> tuple[Proc, str]:
+def serve(model: str | None, flags: str, *extra: str) -> Proc:
     args = [sys.executable, "-m", "jaxserve.server.cli", "serve", "--port", "0", "--metrics-port", "-1",
             "--log-level", "warning", *flags.split(), *extra]
-    if model:
-        args += ["--model", model]
-    p = Proc(args)
-    return p, p.wait_for("SERVING on").split("SERVING on ")[1].split()[0]
+    return Proc(args + (["--model", model] if model else []))
+
+
+def serving_address(p: Proc) -> str:
+    return p.wait_for("SERVING on").split("SERVING on ")[1].split()[0]
 
 
 def route(*workers: str) -> tuple[Proc, str]:
@@ -140,13 +141,10 @@ def start(args) -> tuple[dict, list[Proc]]:
 
         model = build_tiny_text_model(Path(tempfile.mkdtemp(prefix="jaxserve_disagg_")) / "tiny")
     procs, targets = [], {}
-    try:
-        both, both_addr = serve(model, args.worker_flags)
-        procs.append(both)
-        pre, pre_addr = serve(model, args.worker_flags, "--role", "prefill")
-        procs.append(pre)
-        dec, dec_addr = serve(model, args.worker_flags, "--role", "decode")
-        procs.append(dec)
+    try:  # the three workers warm up at once
+        for extra in ((), ("--role", "prefill"), ("--role", "decode")):
+            procs.append(serve(model, args.worker_flags, *extra))
+        both_addr, pre_addr, dec_addr = (serving_address(p) for p in procs)
         r1, targets["colocated_routed"] = route("--worker", both_addr)
         procs.append(r1)
         r2, targets["disagg"] = route("--prefill", pre_addr, "--decode", dec_addr)
