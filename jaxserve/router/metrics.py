@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 HANDOFF_CAUSES = ("prefill_unavailable", "prefill_aborted", "prefill_resource_exhausted", "prefill_worker_lost",
                   "no_prefill_worker", "pull_aborted", "failed_precondition", "decode_unavailable",
-                  "decode_resource_exhausted", "decode_worker_lost")
+                  "decode_resource_exhausted", "decode_worker_lost", "fingerprint_mismatch", "offer_mismatch")
 
 
 class RouterMetrics:

@@ -22,6 +22,9 @@ from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
 log = logging.getLogger("jaxserve.router")
 
 ROLES = ("both", "prefill", "decode")
+# The worker roles (ModelInfo.role, `serve --role`) that can serve each router role: a decode
+# worker also generates alone (it prefills itself), a colocated one serves no KvHandoff.
+SERVES = {"both": ("both", "decode"), "prefill": ("prefill",), "decode": ("decode",)}
 # Reconnect quickly after a worker restarts (gRPC's default backoff grows to two minutes).
 CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                    ("grpc.max_reconnect_backoff_ms", 2000))
@@ -61,6 +64,7 @@ class Worker:
         self.stub = self.handoff = self.health = None
         self.up = False
         self.failures = 0  # consecutive failed health checks
+        self.wrong_role = ""  # the worker's own role when it cannot serve this one (logged once)
         self.info: pb.ModelInfo | None = None
         self.in_flight = 0
         self.attempts: set[Attempt] = set()
@@ -153,7 +157,8 @@ class WorkerPool:
                                                              metadata=self.metadata)
             except grpc.RpcError as e:
                 log.debug("GetModelInfo on %s failed: %s", worker.address, e.code())
-        else:
+            ok = self._role_fits(worker)
+        if not ok:
             self.on_check_failed(worker)
         if ok:
             worker.failures = 0
@@ -166,6 +171,20 @@ class WorkerPool:
             if worker.up and worker.failures >= self.unhealthy_after:
                 self.mark_down(worker)
         return ok
+
+    @staticmethod
+    def _role_fits(worker: Worker) -> bool:
+        """A worker started with another role than the router was told (``--decode`` at a
+        colocated worker, ...) stays out: it cannot answer that role's calls."""
+        role = worker.info.role if worker.info is not None else ""
+        if not role or role in SERVES[worker.role]:
+            worker.wrong_role = ""
+            return True
+        if worker.wrong_role != role:
+            log.error("worker %s runs `serve --role %s`; it cannot serve as a %s worker: kept out", worker.address,
+                      role, worker.role)
+            worker.wrong_role = role
+        return False
 
     def mark_down(self, worker: Worker) -> None:
         worker.up = False

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import grpc
 
@@ -42,6 +43,7 @@ class Route:
     writing_since: float | None = None  # for limits.watch_unread
     unread: bool = False
     task: asyncio.Task | None = None
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)  # the client's call reached the router
 
 
 class WorkerError(Exception):
@@ -111,15 +113,20 @@ async def call_unary(attempt: Attempt, call):
 
 async def relay_stream(attempt: Attempt, call, route: Route):
     """The messages of a worker stream, the Start events (one per choice) held until the first
-    Delta or End (``route.relayed`` turns True with the first message passed on). Raises
-    WorkerError."""
+    Delta or End (``route.relayed`` turns True with the first message passed on). An End's
+    timing, which the worker measures from its call's arrival, is moved to the client call's
+    arrival at the router (routing, a handoff's prefill and retries before this call included).
+    Raises WorkerError."""
     attempt.call = call
-    held = []
+    held, shift = [], time.perf_counter() - route.arrival
     try:
         async for msg in call:
-            if msg.WhichOneof("event") == "start":
+            kind = msg.WhichOneof("event")
+            if kind == "start":
                 held.append(msg)
                 continue
+            if kind == "end":
+                shift_timing(msg.end.timing, shift)
             route.relayed = True
             for start in held:
                 yield start
@@ -132,6 +139,14 @@ async def relay_stream(attempt: Attempt, call, route: Route):
         if lost is None:
             raise
         raise lost from None
+
+
+def shift_timing(timing: pb.Timing, seconds: float) -> None:
+    """Add `seconds` to a Timing measured from a later start."""
+    if timing.HasField("time_to_first_token_s"):
+        timing.time_to_first_token_s += seconds
+    if timing.total_s:
+        timing.total_s += seconds
 
 
 def abort_events(route: Route, prompt_tokens: int):

@@ -227,13 +227,19 @@ class RouterService(pb_grpc.JaxServeServicer):
 
     @_unary_errors
     async def GetModelInfo(self, request, context):
-        """A decode (or colocated) worker's info; with separate pools the prefill formats are
-        a prefill worker's."""
+        """A decode (or colocated) worker's info. With separate pools the router answers as one
+        colocated endpoint: role "both", no KV layout (it takes no handoffs), the prefill
+        formats a prefill worker's and the context the smaller of the two."""
         info = pb.ModelInfo()
         info.CopyFrom(await self._forward("GetModelInfo", request, context))
+        if not self.dispatcher.disaggregated:
+            return info
+        info.role, info.kv_layout = "both", ""
         prefill = next((w.info for w in self.pool.alive("prefill") if w.info is not None), None)
         if prefill is not None:
             info.prefill.CopyFrom(prefill.prefill)
+            if prefill.max_context:
+                info.max_context = min(info.max_context or prefill.max_context, prefill.max_context)
         return info
 
     @_unary_errors

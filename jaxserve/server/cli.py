@@ -234,8 +234,9 @@ async def _serve(args, llm, keys, credentials, leader=None) -> tuple[int, bool]:
             code = 1
         else:
             i = server.info
+            held = i.prefill if i.role == "prefill" else i.decode  # the phase whose weights this worker holds
             print(f"jaxserve: SERVING on {server.target} ({i.architecture}, role {i.role}, weights "
-                  f"{i.decode.weights}, kv {i.decode.kv_cache}, fingerprint {i.fingerprint[:12]})", flush=True)
+                  f"{held.weights}, kv {held.kv_cache}, fingerprint {i.fingerprint[:12]})", flush=True)
             await asyncio.wait({stopping, lost}, return_when=asyncio.FIRST_COMPLETED)
     if server.replica_lost.is_set():
         lost.cancel()

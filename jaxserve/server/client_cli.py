@@ -114,7 +114,7 @@ def _client_generate(client, args) -> int:
             if ev.HasField("start"):
                 rid = ev.start.request_id
             elif ev.HasField("delta"):
-                print(ev.delta.text if ev.delta.text else " ".join(map(str, ev.delta.token_ids)), end="", flush=True)
+                print(delta_output(ev.delta, args.prompt is not None), end="", flush=True)
             else:
                 end = ev.end
         print()
@@ -123,6 +123,15 @@ def _client_generate(client, args) -> int:
     print(f"[{rid}] {finish_reason(end)}; prompt {u.prompt_tokens} (cached {u.cached_tokens}), "
           f"completion {u.completion_tokens}; ttft {ttft}, total {t.total_s * 1000:.1f}ms", file=sys.stderr)
     return 0
+
+
+def delta_output(delta, text_prompt: bool) -> str:
+    """What `generate --stream` prints for one delta: its text. Token ids only for a prompt given
+    as ids whose delta has no text (a model without a tokenizer); a text prompt's special tokens
+    (EOS) have no text and print nothing."""
+    if delta.text or text_prompt:
+        return delta.text
+    return " ".join(map(str, delta.token_ids)) + " "
 
 
 @_with_client

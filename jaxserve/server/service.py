@@ -216,6 +216,8 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         owner = self.keys.identity(context.invocation_metadata()) or ""
         if handoff and len(params) > 1:
             raise errors.invalid_argument("n > 1 cannot be combined with a KV handoff")
+        if handoff and params[0].logprobs is not None:  # an offer carries the first token, not its log-prob
+            raise errors.invalid_argument("log-probs cannot be combined with a KV handoff")
         # It may have stopped serving during the awaits above: submit checks again.
         return self.generations.submit(ids, params, rid, session, owner, arrival, handoff)
 

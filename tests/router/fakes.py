@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 import uuid
 
 import grpc
@@ -50,7 +51,13 @@ class Switches:
     prefill_delay_s: float = 0.0
     kv_free: int = 64  # of 64 pages, reported in GetModelInfo (the router's load signal)
     fail_pulls: int = 0  # this many Decode calls fail their pull with ABORTED
-    fingerprint: str = "fp-A"
+    fingerprint: str = "fp-A"  # what offers carry and Decode compares
+    # With `advertise`, ModelInfo carries role, kv_layout and the fingerprint (as
+    # handoff_fingerprint), as a real worker's does; a decode worker with a kv_layout refuses
+    # offers in another one (FAILED_PRECONDITION).
+    advertise: bool = False
+    role: str = ""
+    kv_layout: str = ""
 
 
 class LoopThread:
@@ -73,6 +80,7 @@ class FakeWorker(pb_grpc.JaxServeServicer, hgrpc.KvHandoffServicer):
         self.offers: dict[str, hpb.HandoffOffer] = {}  # live offers (prefill role)
         self.released: list[tuple[str, bool]] = []
         self.decode_requests: list[hpb.DecodeRequest] = []
+        self.prefill_requests: list[hpb.PrefillRequest] = []
         self.cached: set[int] = set()  # chain hashes this worker "holds"
         self.running: dict[str, asyncio.Event] = {}  # request id -> abort flag
         self.server = self.health = None
@@ -116,7 +124,7 @@ class FakeWorker(pb_grpc.JaxServeServicer, hgrpc.KvHandoffServicer):
 
     async def _stream(self, req: pb.GenerateRequest, context, tokens: list[int], cached: int):
         """Start, one Delta per token (with the switches applied), End."""
-        sw, rid = self.sw, req.request_id
+        sw, rid, t0, ttft = self.sw, req.request_id, time.perf_counter(), None
         abort = self.running[rid] = asyncio.Event()
         try:
             n_prompt = len(self._ids(req))
@@ -133,9 +141,11 @@ class FakeWorker(pb_grpc.JaxServeServicer, hgrpc.KvHandoffServicer):
                     break
                 await asyncio.sleep(sw.token_delay_s)
                 text = f"<{t}>".ljust(sw.delta_text_bytes, ".")
+                ttft = time.perf_counter() - t0 if ttft is None else ttft
                 yield pb.GenerateStreamResponse(delta=pb.TokenDelta(token_ids=[t], text=text))
             usage = pb.Usage(prompt_tokens=n_prompt, completion_tokens=len(tokens), cached_tokens=cached)
-            yield pb.GenerateStreamResponse(end=pb.StreamEnd(finish_reason=reason, usage=usage))
+            timing = pb.Timing(time_to_first_token_s=ttft, total_s=time.perf_counter() - t0)  # from this call
+            yield pb.GenerateStreamResponse(end=pb.StreamEnd(finish_reason=reason, usage=usage, timing=timing))
         except (asyncio.CancelledError, GeneratorExit):
             self.cancelled.append(rid)
             raise
@@ -166,11 +176,17 @@ class FakeWorker(pb_grpc.JaxServeServicer, hgrpc.KvHandoffServicer):
         return pb.DetokenizeResponse(text="".join(f"<{t}>" for t in req.token_ids))
 
     async def GetModelInfo(self, req, context):
+        info = self._info()
+        if self.sw.advertise:
+            info.role, info.kv_layout, info.handoff_fingerprint = self.sw.role, self.sw.kv_layout, self.sw.fingerprint
+        return info
+
+    def _info(self) -> pb.ModelInfo:
         return pb.ModelInfo(model="fake", page_size=PAGE_SIZE, num_pages=65, max_num_seqs=8, replica_id=self.name,
                             fingerprint=self.sw.fingerprint, kv_pages=pb.KvPages(total=64, used=64 - self.sw.kv_free,
                                                                                  free=self.sw.kv_free),
                             prefill=pb.PhaseFormats(weights=f"{self.name}-prefill"),
-                            decode=pb.PhaseFormats(weights=f"{self.name}-decode"))
+                            decode=pb.PhaseFormats(weights=f"{self.name}-decode"), max_context=256)
 
     async def Abort(self, req, context):
         found = [r for r in req.request_ids if r in self.running]
@@ -182,6 +198,7 @@ class FakeWorker(pb_grpc.JaxServeServicer, hgrpc.KvHandoffServicer):
     async def Prefill(self, preq, context):
         req = preq.request
         self.calls.append(("Prefill", req.request_id, req.session_id))
+        self.prefill_requests.append(preq)
         if self.sw.fail_prefill is not None:
             await context.abort(self.sw.fail_prefill, "fake prefill failure")
         await asyncio.sleep(self.sw.prefill_delay_s)
@@ -190,6 +207,7 @@ class FakeWorker(pb_grpc.JaxServeServicer, hgrpc.KvHandoffServicer):
                                  session_id=req.session_id, model_fingerprint=self.sw.fingerprint,
                                  num_tokens=len(ids), prompt_token_ids=ids, first_token_ids=expected_tokens(ids, 1),
                                  payload_bytes=64 * len(ids), address=self.address, transport="grpc",
+                                 kv_layout=preq.target_kv_layout or self.sw.kv_layout,
                                  cached_tokens=self._cached_tokens(ids))
         self.offers[offer.transfer_id] = offer
         return offer
@@ -217,6 +235,8 @@ class FakeWorker(pb_grpc.JaxServeServicer, hgrpc.KvHandoffServicer):
         if dreq.HasField("offer"):
             if dreq.offer.model_fingerprint != self.sw.fingerprint:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "fingerprint mismatch")
+            if self.sw.kv_layout and dreq.offer.kv_layout != self.sw.kv_layout:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "KV layout mismatch")
             if not await self._pull(dreq.offer):
                 if not dreq.recompute_on_failure:
                     await context.abort(grpc.StatusCode.ABORTED, "pull failed")

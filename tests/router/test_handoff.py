@@ -129,3 +129,15 @@ def test_abort_during_prefill_and_cancel_during_decode(fake_loop):
         assert eventually(lambda: any("late" in f.cancelled for f in fakes.values()))
         assert eventually(lambda: not rt.router.service.active)
         assert _no_offer_left(fakes)
+
+
+def test_timing_counts_from_the_clients_call_at_the_router(fake_loop):
+    """The decode worker measures from its own call; the client's time to first token includes
+    the prefill before it."""
+    with routed(fake_loop, POOLS) as (rt, client, fakes):
+        for name in ("p1", "p2"):
+            fakes[name].sw.prefill_delay_s = 0.3
+        r = client.generate(PROMPT, max_tokens=3)
+        assert 0.3 <= r.timing.time_to_first_token_s <= r.timing.total_s < 5
+        end = list(client.generate_stream(PROMPT + [1], max_tokens=3))[-1].end
+        assert 0.3 <= end.timing.time_to_first_token_s <= end.timing.total_s < 5

@@ -40,6 +40,15 @@ def test_client_cli(served, cases, capsys):
     assert code == 1 and "INVALID_ARGUMENT" in err and "vocabulary" in err
 
 
+def test_streamed_deltas_print_text_and_ids_only_without_text():
+    from jaxserve.server.client_cli import delta_output
+    from jaxserve.v1 import jaxserve_pb2 as pb
+
+    assert delta_output(pb.TokenDelta(token_ids=[2], text=""), text_prompt=True) == ""  # EOS after a text
+    assert delta_output(pb.TokenDelta(token_ids=[9], text=" Paris"), text_prompt=True) == " Paris"
+    assert delta_output(pb.TokenDelta(token_ids=[5, 6], text=""), text_prompt=False) == "5 6 "  # no tokenizer
+
+
 @pytest.mark.slow
 def test_serve_subprocess_warms_up_then_drains_on_sigterm(tiny_text_model):
     from jaxserve.client import Client

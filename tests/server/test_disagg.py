@@ -12,7 +12,6 @@ a page. The kill comes last: it ends the prefill worker.
 """
 from __future__ import annotations
 
-import sys
 import time
 
 import grpc
@@ -27,14 +26,13 @@ from jaxserve.v1 import handoff_pb2_grpc as hpb_grpc
 from jaxserve.v1 import jaxserve_pb2 as pb
 
 from .conftest import IDS_A, IDS_B, metric, scrape
+from .disagg_setup import ENGINE_KW, import_reference, metrics_port, prefill, pull_bytes, release, \
+    served_address, worker_args
 from .serve_process import ServeProcess, server_env
 from .tiny_model import build_tiny_text_model
 
 TTL_S = 4.0
 FAULTS = "corrupt_payload:req-corrupt,die_mid_pull:req-die"
-# Small batches: few warm-up buckets (each worker compiles its own, cold in CI).
-ENGINE_KW = dict(num_pages=48, page_size=8, max_num_seqs=2, max_prefill_seqs=1, prefill_chunk=32,
-                 max_num_batched_tokens=32, max_model_len=128)
 PROMPTS = {  # name -> (ids, sampling keywords); IDS_A spans 3 pages of 8, IDS_B 2
     "greedy": (IDS_A, dict(max_tokens=10, ignore_eos=True)),
     "sampled": (IDS_B + IDS_A, dict(max_tokens=10, ignore_eos=True, temperature=0.9, top_k=40, seed=5)),
@@ -50,14 +48,6 @@ def request(name: str, rid: str = "") -> pb.GenerateRequest:
         s.seed = kw["seed"]
     return pb.GenerateRequest(request_id=rid, token_ids=pb.TokenIds(ids=ids), sampling=s,
                               stop=pb.StopCriteria(max_tokens=kw["max_tokens"], ignore_eos=True))
-
-
-def worker_args(model: str, *extra: str) -> list[str]:
-    args = [sys.executable, "-m", "jaxserve.server.cli", "serve", "--model", model, "--port", "0",
-            "--metrics-port", "0", "--log-level", "warning", "--drain-timeout", "5"]
-    for key, value in ENGINE_KW.items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
-    return args + list(extra)
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +67,9 @@ def workers(tiny_text_model, tmp_path_factory):
         for name, (model, extra, e) in specs.items():
             if name == "decode_other":
                 for n, p in procs.items():
-                    addrs[n] = p.wait_for("SERVING on", 240).split("SERVING on ")[1].split()[0]
+                    addrs[n] = served_address(p.wait_for("SERVING on", 240))
             procs[name] = ServeProcess(worker_args(model, *extra), env=e)
-        addrs["decode_other"] = procs["decode_other"].wait_for("SERVING on", 240).split("SERVING on ")[1].split()[0]
+        addrs["decode_other"] = served_address(procs["decode_other"].wait_for("SERVING on", 240))
         yield procs, addrs
     finally:
         for p in procs.values():
@@ -98,8 +88,7 @@ def references(tiny_text_model):
 
 
 def metrics(procs, name: str) -> dict:
-    port = int(procs[name].output.split("metrics port ")[1].split(")")[0])
-    return scrape(port)
+    return scrape(metrics_port(procs[name].output))
 
 
 def kv_used(addr: str) -> int:
@@ -139,19 +128,6 @@ def test_same_format_handoff_gives_the_single_engine_tokens(workers, references,
     assert metric(m, "jaxserve_kv_handoff_pull_bytes_total", transport=transport) > 0
 
 
-def _pull_bytes(addr: str, offer) -> bytes:
-    with grpc.insecure_channel(addr) as ch:
-        chunks = list(hpb_grpc.KvHandoffStub(ch).PullPages(hpb.PullPagesRequest(transfer_id=offer.transfer_id),
-                                                            timeout=30))
-    assert [c.index for c in chunks] == list(range(len(chunks))) and chunks[-1].last
-    return b"".join(c.data for c in chunks)
-
-
-def _prefill(addr: str, req, layout: str):
-    with grpc.insecure_channel(addr) as ch:
-        return hpb_grpc.KvHandoffStub(ch).Prefill(hpb.PrefillRequest(request=req, target_kv_layout=layout), timeout=60)
-
-
 def _decode(addr: str, req, offer, recompute: bool = False) -> list[int]:
     ids = []
     with grpc.insecure_channel(addr) as ch:
@@ -171,7 +147,6 @@ def _numpy_fp8(bf16_bits: np.ndarray):
 
 
 def test_bf16_to_fp8_handoff_reads_the_converted_pages(workers, references):
-    from jaxserve.engine.sequence import KvImport
     from jaxserve.kv import handoff
 
     _, addrs = workers
@@ -182,13 +157,13 @@ def test_bf16_to_fp8_handoff_reads_the_converted_pages(workers, references):
     for name in PROMPTS:
         req = request(name)
         # The prefill worker's own bf16 pages (an unconverted export), the independent input.
-        raw_offer = _prefill(addrs["prefill"], req, bf16.engine.kv_layout())
+        raw_offer = prefill(addrs["prefill"], req, bf16.engine.kv_layout())
         n = -(-raw_offer.num_tokens // ENGINE_KW["page_size"])
-        raw = handoff.from_bytes(_pull_bytes(addrs["prefill"], raw_offer), bf16.engine.runner.handoff.specs("bf16", n),
+        raw = handoff.from_bytes(pull_bytes(addrs["prefill"], raw_offer), bf16.engine.runner.handoff.specs("bf16", n),
                                  bf16.engine.runner.handoff.leaf_axes(), n, "bf16")
-        offer = _prefill(addrs["prefill"], req, fp8_layout)
+        offer = prefill(addrs["prefill"], req, fp8_layout)
         assert offer.kv_layout == fp8_layout and offer.first_token_ids == raw_offer.first_token_ids
-        data = _pull_bytes(addrs["prefill"], offer)
+        data = pull_bytes(addrs["prefill"], offer)
         assert offer.payload_bytes == len(data) < raw_offer.payload_bytes  # fp8 + scales < bf16
         conv = handoff.from_bytes(data, h.specs("fp8_e4m3", n), h.leaf_axes(), n, "fp8_e4m3")
         for j in range(0, len(conv.leaves), 2):  # per layer: k, k_scale, v, v_scale
@@ -198,15 +173,10 @@ def test_bf16_to_fp8_handoff_reads_the_converted_pages(workers, references):
             step = np.abs(q.astype(np.float32)) * 2.0**-3 + 2.0**-9  # one e4m3 step (3 mantissa bits)
             assert np.all(np.abs(got_q - q.astype(np.float32)) <= step), name
         # The single-process reference: an fp8 engine that imports exactly these bytes.
-        seed = offer.sampling_seed
-        ids, kw = PROMPTS[name]
-        ref_id = fp8.engine.add_request(ids, SamplingParams(**{**kw, "seed": seed}), f"ref-{name}", kv_import=KvImport(
-            conv, offer.digest, offer.first_token_ids[0], offer.cached_tokens))
-        fp8.engine.run_until_done()
-        want = list(fp8.engine.completion(ref_id))
+        params = SamplingParams(**{**PROMPTS[name][1], "seed": offer.sampling_seed})
+        want = import_reference(fp8, offer, conv, params, f"ref-{name}")
         assert _decode(addrs["decode_fp8"], req, offer) == want, name
-        with grpc.insecure_channel(addrs["prefill"]) as ch:  # the raw offer nobody decodes: released
-            assert hpb_grpc.KvHandoffStub(ch).Release(hpb.ReleaseRequest(transfer_id=raw_offer.transfer_id)).released
+        assert release(addrs["prefill"], raw_offer)  # the raw offer nobody decodes
 
 
 def test_corrupted_payload_is_aborted_or_recomputed(workers, references):
@@ -271,6 +241,20 @@ def test_hung_transfer_pull_is_abandoned_by_its_watchdog(workers):
     with grpc.insecure_channel(addrs["prefill"]) as ch:  # the real offer, unpulled: released and drained
         assert hpb_grpc.KvHandoffStub(ch).Release(hpb.ReleaseRequest(transfer_id=offer.transfer_id, pulled=False),
                                                   timeout=30).released
+
+
+def test_log_probs_are_refused_with_a_handoff(workers):
+    """An offer carries the first token, not its log-prob: neither side takes log-probs with it."""
+    _, addrs = workers
+    with grpc.insecure_channel(addrs["decode_bf16"]) as ch:
+        layout = worker_info(ch).kv_layout
+    req = request("greedy")
+    offer = prefill(addrs["prefill"], req, layout)
+    req.sampling.logprobs = 2
+    for call in (lambda: prefill(addrs["prefill"], req, layout), lambda: _decode(addrs["decode_bf16"], req, offer)):
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "log-probs" in e.value.details()
 
 
 def test_no_pages_left_then_prefill_worker_killed_mid_pull(workers, references):
