@@ -82,17 +82,14 @@ class ModelRunner(HandoffRunnerMixin):
         self.role = role
         self.cfg = model.cfg
         self.fmt = fmt
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self.mesh = mesh
+        self.num_pages, self.page_size, self.mesh = num_pages, page_size, mesh
         self.tracker = tracker if tracker is not None else PageTracker()
         self.max_pages_per_seq = bucket(max_pages_per_seq or num_pages - 1)
         self.graphdef, state = nnx.split(model)
         self.dtype = model.dtype
         # The attention backend object every layer calls (the Pallas ones carry the mesh their
         # kernels run over, per device under shard_map).
-        self.attention = get_backend(attention_backend, mesh)
-        self.attention_backend = attention_backend
+        self.attention, self.attention_backend = get_backend(attention_backend, mesh), attention_backend
         self.matmul_backend = resolve_backend(matmul_backend)
         if self.matmul_backend == "interpret" and mesh is not None:
             raise ValueError("the interpreted Pallas matmuls are single-device; use matmul_backend='cpu' with a mesh")

@@ -139,6 +139,12 @@ class Server:
             self.http_port = self.http.port
         if self.metrics_port is not None:
             self._http, _, self.metrics_port = self.metrics.serve_http(self.metrics_port, self.metrics_host)
+        self._log_started()
+        if self.group is not None:
+            self.group.on_lost(lambda reason: loop.call_soon_threadsafe(self._on_replica_lost, reason))
+        self.engine_loop.start()
+
+    def _log_started(self) -> None:
         log.info("listening on %s:%d (%s, %s; metrics %s; HTTP %s); warming up", self.host, self.port,
                  "TLS" if self.credentials is not None else "plaintext",
                  f"{len(self.keys)} API key(s)" if self.keys.enabled else "no API key", self.metrics_target,
@@ -150,9 +156,6 @@ class Server:
                  "(%d B/token, %s tokens)", f"{m.weight_bytes_prefill:,}", f"{m.weight_bytes_decode:,}",
                  f"{m.weight_bytes_resident:,}", f"{m.kv_bytes:,}", m.kv_pages, self.info.page_size,
                  m.kv_bytes_per_token, f"{m.max_cached_tokens:,}")
-        if self.group is not None:
-            self.group.on_lost(lambda reason: loop.call_soon_threadsafe(self._on_replica_lost, reason))
-        self.engine_loop.start()
 
     @property
     def target(self) -> str:
