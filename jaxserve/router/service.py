@@ -11,7 +11,6 @@ unchanged, retry hints included.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 import uuid
@@ -34,18 +33,7 @@ log = logging.getLogger("jaxserve.router")
 FORWARDED_HEADERS = (AUTH_HEADER, API_KEY_HEADER, SESSION_HEADER)
 
 
-def _unary_errors(handler):
-    @functools.wraps(handler)
-    async def wrapped(self, request, context):
-        try:
-            return await handler(self, request, context)
-        except ServeError as e:
-            await context.abort(e.code, e.message, e.trailing_metadata())
-        except Exception as e:
-            log.exception("%s failed", handler.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, errors.internal(e).message)
-
-    return wrapped
+_unary_errors = errors.unary_errors(log)
 
 
 class RouterService(pb_grpc.JaxServeServicer):

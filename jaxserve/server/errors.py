@@ -13,6 +13,9 @@ sent the standard ways:
 """
 from __future__ import annotations
 
+import functools
+import logging
+
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
@@ -135,3 +138,24 @@ def retry_after_s(err: grpc.RpcError) -> float | None:
         if key in md:
             return int(md[key]) / 1000.0
     return None
+
+
+def unary_errors(log: logging.Logger):
+    """A decorator for unary gRPC handlers: ServeError -> its status; anything unexpected ->
+    INTERNAL, logged on ``log`` with its traceback (the server lives on)."""
+
+    def decorate(handler):
+        @functools.wraps(handler)
+        async def wrapped(self, request, context):
+            try:
+                return await handler(self, request, context)
+            except ServeError as e:
+                await context.abort(e.code, e.message, e.trailing_metadata())
+            except Exception as e:
+                log.exception("%s failed", handler.__name__)
+                err = internal(e)
+                await context.abort(err.code, err.message)
+
+        return wrapped
+
+    return decorate

@@ -34,21 +34,7 @@ LARGE_TEXT_CHARS = 65536  # texts this long are tokenized on the LARGE_TEXT_WORK
 LARGE_TEXT_WORKERS = 2
 
 
-def _unary_errors(handler):
-    """Map ServeError to its status and anything unexpected to INTERNAL (the server lives on)."""
-
-    @functools.wraps(handler)
-    async def wrapped(self, request, context):
-        try:
-            return await handler(self, request, context)
-        except ServeError as e:
-            await context.abort(e.code, e.message, e.trailing_metadata())
-        except Exception as e:
-            log.exception("%s failed", handler.__name__)
-            err = errors.internal(e)
-            await context.abort(err.code, err.message)
-
-    return wrapped
+_unary_errors = errors.unary_errors(log)
 
 
 class JaxServeService(pb_grpc.JaxServeServicer):

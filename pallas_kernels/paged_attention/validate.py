@@ -124,10 +124,10 @@ def check_gqa(q, k_pages, v_pages, k_scale, v_scale, page_table, ctx_lens) -> di
                 group=h // kvh, quantized=quantized)
 
 
-def check_mla(q_lat, q_rope, latent_pages, rope_pages, latent_scale, rope_scale, page_table, ctx_lens) -> dict:
-    """q_lat [B, H, R], q_rope [B, H, Dr]; latent [P, S, R], rope [P, S, Dr]; scales [P, S]."""
-    _check_rank("q_lat", q_lat, 3, "[B, H, R]")
-    _check_rank("q_rope", q_rope, 3, "[B, H, Dr]")
+def _check_mla_operands(q_lat, q_rope, latent_pages, rope_pages, latent_scale, rope_scale, rows: str):
+    """The query and pool checks both MLA kernels share -> (rows, heads, rank, rope dim, P, S, quantized)."""
+    _check_rank("q_lat", q_lat, 3, f"[{rows}, H, R]")
+    _check_rank("q_rope", q_rope, 3, f"[{rows}, H, Dr]")
     _check_rank("latent_pages", latent_pages, 3, "[P, S, R]")
     _check_rank("rope_pages", rope_pages, 3, "[P, S, Dr]")
     _check_dtype("q_lat", q_lat, Q_DTYPES)
@@ -144,6 +144,13 @@ def check_mla(q_lat, q_rope, latent_pages, rope_pages, latent_scale, rope_scale,
         raise ValueError(f"latent rank: q_lat has {r}, latent_pages have {rk}")
     _check_shape("rope_pages", rope_pages, (p, s, dr))
     quantized = check_scales(latent_pages.dtype, {"latent_scale": latent_scale, "rope_scale": rope_scale}, (p, s))
+    return b, h, r, dr, p, s, quantized
+
+
+def check_mla(q_lat, q_rope, latent_pages, rope_pages, latent_scale, rope_scale, page_table, ctx_lens) -> dict:
+    """q_lat [B, H, R], q_rope [B, H, Dr]; latent [P, S, R], rope [P, S, Dr]; scales [P, S]."""
+    b, h, r, dr, p, s, quantized = _check_mla_operands(q_lat, q_rope, latent_pages, rope_pages, latent_scale,
+                                                       rope_scale, "B")
     m = check_table(page_table, ctx_lens, b, p, s)
     return dict(batch=b, heads=h, rank=r, rope_dim=dr, num_pages=p, page_size=s, pages_per_row=m,
                 quantized=quantized)
@@ -152,24 +159,8 @@ def check_mla(q_lat, q_rope, latent_pages, rope_pages, latent_scale, rope_scale,
 def check_sparse_mla(q_lat, q_rope, latent_pages, rope_pages, latent_scale, rope_scale, slots) -> dict:
     """As ``check_mla``, with slots [N, K] int32 physical slot ids (page * S + offset; -1: none)
     in place of the page table; concrete ids outside [-1, P*S) are an error."""
-    _check_rank("q_lat", q_lat, 3, "[N, H, R]")
-    _check_rank("q_rope", q_rope, 3, "[N, H, Dr]")
-    _check_rank("latent_pages", latent_pages, 3, "[P, S, R]")
-    _check_rank("rope_pages", rope_pages, 3, "[P, S, Dr]")
-    _check_dtype("q_lat", q_lat, Q_DTYPES)
-    _check_dtype("latent_pages", latent_pages, PAGE_DTYPES)
-    if q_rope.dtype != q_lat.dtype:
-        raise TypeError(f"q_rope dtype {q_rope.dtype} != q_lat dtype {q_lat.dtype}")
-    if rope_pages.dtype != latent_pages.dtype:
-        raise TypeError(f"rope_pages dtype {rope_pages.dtype} != latent_pages dtype {latent_pages.dtype}")
-    n, h, r = q_lat.shape
-    p, s, rk = latent_pages.shape
-    dr = q_rope.shape[2]
-    _check_shape("q_rope", q_rope, (n, h, dr))
-    if rk != r:
-        raise ValueError(f"latent rank: q_lat has {r}, latent_pages have {rk}")
-    _check_shape("rope_pages", rope_pages, (p, s, dr))
-    quantized = check_scales(latent_pages.dtype, {"latent_scale": latent_scale, "rope_scale": rope_scale}, (p, s))
+    n, h, r, dr, p, s, quantized = _check_mla_operands(q_lat, q_rope, latent_pages, rope_pages, latent_scale,
+                                                       rope_scale, "N")
     _check_rank("slots", slots, 2, "[N, K]")
     _check_dtype("slots", slots, (jnp.int32,))
     if slots.shape[0] != n:
