@@ -26,6 +26,7 @@ from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, pad_updates
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.attention_backends import get_backend
 from jaxserve.models.step import StepInput
+from jaxserve.programs import ProgramSet, ProgramSpec
 from jaxserve.quant.linear import describe, resolve_backend, use_backend
 from jaxserve.quant.phase import PhaseWeight, phase_states
 from jaxserve.sharding import MODEL_AXIS, Mesh, NamedSharding, PartitionSpec, replicated
@@ -122,6 +123,7 @@ class ModelRunner:
         self._commit_inputs(model.init_kv(num_pages, page_size, fmt))
         self.params, self.treedef = self.phase_params["prefill"]
         self._jitted: dict = {}
+        self.programs: ProgramSet | None = None  # where the serving programs are built ahead of time (use_programs)
         self.warm = False
         self.strict = strict  # a compilation after warm-up raises (else it is logged and counted)
         self.compiles_after_warmup = 0
@@ -232,25 +234,30 @@ class ModelRunner:
         if len(pages) == 0 or not self.tracker.enabled:
             return
         p, c = pad_updates(pages, counts)
-        self.generation = self._apply_updates_fn()(self.generation, jnp.asarray(p), jnp.asarray(c))
+        built = self._built(f"updates/{len(p)}", lambda: self._updates_spec(len(p)))
+        self.generation = (built or self._apply_updates_fn())(self.generation, jnp.asarray(p), jnp.asarray(c))
 
     def step(self, phase: str, tokens, cached_lens, new_lens, page_table, expected, num_pages_used,
              all_logits: bool = False) -> StepResult:
         """Run the checked `phase` program on padded numpy inputs; updates the KV pools. With
         ``all_logits`` (scoring, never while serving) the logits are [B, T, V] and its
         compilations are not serving compilations."""
-        fn = self._program(phase, all_logits)
         inp = StepInput(
             tokens=jnp.asarray(tokens, jnp.int32),
             cached_lens=jnp.asarray(cached_lens, jnp.int32),
             new_lens=jnp.asarray(new_lens, jnp.int32),
             page_table=jnp.asarray(page_table, jnp.int32),
         )
+        args = (self.phase_params[phase][0], self.kv, self.generation, inp,
+                jnp.asarray(expected, jnp.int32), jnp.asarray(num_pages_used, jnp.int32))
+        b, t = inp.tokens.shape
+        built = None if all_logits else self._built(step_name(phase, b, t), lambda: self._step_spec(phase, b, t))
+        if built is not None:  # compiled ahead of time: a call with other shapes raises, never compiles
+            logits, self.kv, ok, cause = built(*args)
+            return StepResult(logits, np.asarray(ok), np.asarray(cause))
+        fn = self._program(phase, all_logits)
         before = fn._cache_size()
-        logits, self.kv, ok, cause = fn(
-            self.phase_params[phase][0], self.kv, self.generation, inp,
-            jnp.asarray(expected, jnp.int32), jnp.asarray(num_pages_used, jnp.int32),
-        )
+        logits, self.kv, ok, cause = fn(*args)
         if self.warm and not all_logits and fn._cache_size() != before:
             self.compiles_after_warmup += 1
             msg = f"{phase} program compiled after warm-up for shape tokens={tuple(inp.tokens.shape)}"
@@ -276,21 +283,73 @@ class ModelRunner:
         return self._jitted["last_logits"]
 
     # ------------------------------------------------------------------ warm-up
-    def warmup(self, decode_batches: list[int], prefill_shapes: list[tuple[int, int]]) -> None:
-        """Compile every serving bucket now (page tables of padding rows are all null)."""
+    def key_parts(self) -> dict:
+        """What shapes every serving program besides its bucket and input signature (the
+        program cache's key; ``jaxserve.program_cache`` adds the installation's parts)."""
+        mesh = None if self.mesh is None else {"shape": dict(self.mesh.shape), "devices": self.mesh.devices.size}
+        return {"model": repr(self.cfg), "dtype": str(self.dtype), "kv_format": self.fmt.name,
+                "weights": repr(self.weight_formats), "attention": self.attention_backend,
+                "matmuls": self.matmul_backend, "page_size": self.page_size, "num_pages": self.num_pages,
+                "max_pages_per_seq": self.max_pages_per_seq, "tracker": type(self.tracker).__name__, "mesh": mesh}
+
+    def _step_spec(self, phase: str, b: int, t: int) -> ProgramSpec:
+        """The checked step for one bucket; example inputs as ``step`` builds them (page tables
+        of padding rows all null); the committed ones abstract, with their placement."""
         m = self.max_pages_per_seq
-        for phase, shapes in (("decode", [(b, 1) for b in decode_batches]), ("prefill", prefill_shapes)):
-            for b, t in shapes:
-                z = np.zeros((b,), np.int32)
-                self.step(phase, np.zeros((b, t), np.int32), z, z, np.zeros((b, m), np.int32),
-                          np.zeros((b, m), np.int32), z)
-        if self.tracker.enabled:  # the generation update, at every padded size a step can need
+        z, zm = jnp.zeros((b,), jnp.int32), jnp.zeros((b, m), jnp.int32)
+        inp = StepInput(tokens=jnp.zeros((b, t), jnp.int32), cached_lens=z, new_lens=z, page_table=zm)
+        placed = jax.tree.map(_abstract, (self.phase_params[phase][0], self.kv, self.generation))
+        return ProgramSpec(step_name(phase, b, t), self._program(phase), (*placed, inp, zm, z))
+
+    def _updates_spec(self, size: int) -> ProgramSpec:
+        z = jnp.zeros((size,), jnp.int32)
+        return ProgramSpec(f"updates/{size}", self._apply_updates_fn(), (_abstract(self.generation), z, z))
+
+    def _built(self, name: str, spec):
+        """The program ``name`` from the ProgramSet; before warm-up a missing one is built now
+        (from the program cache, or compiled and stored); after it, None (the jit path, whose
+        compilation the guard counts)."""
+        if self.programs is None:
+            return None
+        built = self.programs.get(name)
+        if built is None and not self.warm:
+            self.programs.build([spec()])
+            built = self.programs.get(name)
+        return built
+
+    def program_specs(self, decode_batches: list[int], prefill_shapes: list[tuple[int, int]]) -> list[ProgramSpec]:
+        """Every serving program: the checked step per bucket (largest first), and the
+        generation update at every padded size a step can need."""
+        shapes = [("decode", b, 1) for b in decode_batches] + [("prefill", b, t) for b, t in prefill_shapes]
+        specs = [self._step_spec(*s) for s in sorted(shapes, key=lambda s: (-s[1] * s[2], s[0]))]
+        if self.tracker.enabled:
             size = 8
             while True:
-                z = jnp.zeros((size,), jnp.int32)
-                self.generation = self._apply_updates_fn()(self.generation, z, z)  # count 0: a no-op
+                specs.append(self._updates_spec(size))
                 if size >= self.num_pages:
                     break
                 size *= 2
+        return specs
+
+    def use_programs(self, programs: ProgramSet) -> None:
+        """Build serving programs into ``programs`` (a ProgramSet, maybe with a disk cache): until
+        warm-up each program is built on first use; ``warmup`` builds them all at once."""
+        self.programs = programs
+
+    def warmup(self, decode_batches: list[int], prefill_shapes: list[tuple[int, int]], progress=None) -> None:
+        """Build every serving program ahead of time (``program_specs``); afterwards serving
+        calls only these, and any other compilation is counted (or raises when ``strict``)."""
+        if self.programs is None:
+            self.programs = ProgramSet(None, self.key_parts())
+        self.programs.build(self.program_specs(decode_batches, prefill_shapes), progress)
         self.warm = True
 
+
+def _abstract(x):
+    """A committed array as the abstract input a program is built for (shape, dtype, placement)."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+def step_name(phase: str, batch: int, tokens: int) -> str:
+    """The ProgramSet name of a serving step program for one bucket."""
+    return f"{phase}/{batch}x{tokens}"

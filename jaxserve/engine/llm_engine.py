@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 from typing import Callable
 
@@ -27,13 +28,15 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import Completion, EngineSnapshot, RequestOutput, StepRecord
-from jaxserve.engine.sampler import sample_rows, sample_sequences
+from jaxserve.engine.sampler import sample_sequences, sampler_spec
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence
 from jaxserve.kv import memory as kv_memory
 from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, TrackerStats, integrity_errors
-from jaxserve.runner import ModelRunner, bucket, pick_bucket, pow2_buckets, token_buckets
+from jaxserve.program_cache import ProgramCache
+from jaxserve.programs import ProgramSet
+from jaxserve.runner import ModelRunner, bucket, pick_bucket, pow2_buckets, step_name, token_buckets
 
 
 def default_attention_backend() -> str:
@@ -73,6 +76,11 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self._just_finished: list[Sequence] = []
         self._observers: list[Callable[[StepRecord], None]] = []
+        # Every serving program is built ahead of time into this set (from the program cache on
+        # disk when it holds it): all at warm-up, or each on first use before it.
+        cache = None if config.program_cache in (None, "off") else ProgramCache(config.program_cache)
+        self.programs = ProgramSet(cache, self.runner.key_parts(), config.compile_workers or os.cpu_count() or 1)
+        self.runner.use_programs(self.programs)
 
     def memory_report(self) -> dict:
         """What the engine holds: weight bytes per phase (and resident: shared arrays once), the
@@ -246,7 +254,8 @@ class LLMEngine:
     def _sample(self, logits, rows: list[tuple[int, Sequence]], events) -> None:
         if not rows:
             return
-        tokens, lp, top_ids, top_lp, n_lp = sample_sequences(logits, rows, self.cfg.vocab_size)
+        tokens, lp, top_ids, top_lp, n_lp = sample_sequences(logits, rows, self.cfg.vocab_size, self.programs,
+                                                             build=not self.runner.warm)
         now = time.perf_counter()
         for j, (_, s) in enumerate(rows):
             if s.finished:
@@ -266,21 +275,28 @@ class LLMEngine:
         self._just_finished.append(s)
 
     # ------------------------------------------------------------------ warm-up
-    def warmup(self) -> None:
-        """Compile every serving bucket (prefill rows x tokens, decode rows) and the plain
-        greedy and sampling variants of the sampler for each batch size (the penalty and
-        logprob variants compile on first use)."""
+    def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Build every serving program ahead of time, from the program cache when it holds them
+        (``config.program_cache``): the step per bucket (prefill rows x tokens, decode rows),
+        the generation updates, and the plain greedy and sampling variants of the sampler for
+        each batch size (the penalty and logprob variants compile on first use).
+        ``progress(done, total)`` follows the programs as they become ready."""
         c = self.config
-        decode = pow2_buckets(1, c.max_num_seqs)
-        prefill_b = pow2_buckets(1, c.max_prefill_seqs)
-        self.runner.warmup(decode, [(b, t) for b in prefill_b for t in self.prefill_token_buckets])
-        v = self.cfg.vocab_size
-        for rows in sorted(set(decode) | set(prefill_b)):
-            for n in pow2_buckets(1, rows):
-                f32, i32 = np.zeros(n, np.float32), np.zeros(n, np.int32)
-                for greedy in (True, False):
-                    sample_rows(np.zeros((rows, v), np.float32), i32, f32, i32, np.ones(n, np.float32), f32, i32, i32,
-                                all_greedy=greedy, penalties=False, num_logprobs=0)
+        usable = c.num_pages - 1  # each running request holds a page at least
+        decode = pow2_buckets(1, max(1, min(c.max_num_seqs, usable)))
+        prefill_b = pow2_buckets(1, max(1, min(c.max_prefill_seqs, c.max_num_seqs, usable)))
+        prefill = [(b, t) for b in prefill_b for t in self.prefill_token_buckets]
+        steps = len(self.runner.program_specs(decode, prefill))
+        samplers = [(rows, n, greedy) for rows in sorted(set(decode) | set(prefill_b))
+                    for n in pow2_buckets(1, rows) for greedy in (True, False)]
+        total = steps + len(samplers)
+        self.runner.warmup(decode, prefill, (lambda done, _: progress(done, total)) if progress else None)
+        # The sampler reads the step programs' logits where they leave them (their sharding).
+        specs = [sampler_spec(self.programs.get(step_name("decode" if rows in decode else "prefill", rows,
+                                                          1 if rows in decode else self.prefill_token_buckets[0]))
+                              .output_shardings[0], rows, n, self.cfg.vocab_size, greedy)
+                 for rows, n, greedy in samplers]
+        self.programs.build(specs, (lambda done, _: progress(steps + done, total)) if progress else None)
 
     def mark_warm(self) -> None:
         """Count every later compilation of a serving program (after a warm-up of one's own

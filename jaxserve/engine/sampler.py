@@ -119,9 +119,28 @@ def sample_rows(
     return tokens, logprob, top_ids.astype(jnp.int32), top_lp
 
 
-def sample_sequences(logits, rows, vocab_size: int):
+def sampler_name(rows: int, n: int, greedy: bool) -> str:
+    """The ProgramSet name of the plain (no penalties, no logprobs) sampler for logits [rows, V]
+    and n sampled rows."""
+    return f"sample/{rows}x{n}/{'greedy' if greedy else 'sample'}"
+
+
+def sampler_spec(logits_sharding, rows: int, n: int, vocab_size: int, greedy: bool):
+    """The ahead-of-time build of ``sampler_name(rows, n, greedy)`` (a ProgramSpec)."""
+    from jaxserve.programs import ProgramSpec
+
+    f32, i32 = np.zeros(n, np.float32), np.zeros(n, np.int32)
+    logits = jax.ShapeDtypeStruct((rows, vocab_size), jnp.float32, sharding=logits_sharding)
+    return ProgramSpec(sampler_name(rows, n, greedy), sample_rows,
+                       (logits, i32, f32, i32, np.ones(n, np.float32), f32, i32, i32),
+                       dict(all_greedy=greedy, penalties=False, num_logprobs=0))
+
+
+def sample_sequences(logits, rows, vocab_size: int, programs=None, build: bool = False):
     """Sample one token for each (logits row index, Sequence) in ``rows`` with its own
-    parameters; -> numpy (tokens, logprobs, top ids, top logprobs, top-n bucket)."""
+    parameters; -> numpy (tokens, logprobs, top ids, top logprobs, top-n bucket). ``programs``
+    (a ProgramSet) supplies the ahead-of-time built plain samplers; with ``build`` a missing
+    one is built into it now (before warm-up)."""
     b = _bucket(len(rows))
     idx = np.zeros((b,), np.int32)
     temp, top_p, min_p = np.zeros(b, np.float32), np.ones(b, np.float32), np.zeros(b, np.float32)
@@ -135,8 +154,18 @@ def sample_sequences(logits, rows, vocab_size: int):
     extra = _penalty_inputs(rows, b, vocab_size) if penalties else {}
     n_lp = max((s.params.logprobs or 0) for _, s in rows)
     n_lp = 0 if n_lp == 0 and all(s.params.logprobs is None for _, s in rows) else _bucket(max(n_lp, 1))
-    out = sample_rows(logits, idx, temp, top_k, top_p, min_p, seeds, steps, **extra,
-                      all_greedy=all(s.params.greedy for _, s in rows), penalties=penalties, num_logprobs=n_lp)
+    greedy = all(s.params.greedy for _, s in rows)
+    built = None
+    if programs is not None and not penalties and n_lp == 0:
+        name = sampler_name(logits.shape[0], b, greedy)
+        if build and name not in programs:
+            programs.build([sampler_spec(logits.sharding, logits.shape[0], b, vocab_size, greedy)])
+        built = programs.get(name)
+    if built is not None:
+        out = built(logits, idx, temp, top_k, top_p, min_p, seeds, steps)
+    else:
+        out = sample_rows(logits, idx, temp, top_k, top_p, min_p, seeds, steps, **extra,
+                          all_greedy=greedy, penalties=penalties, num_logprobs=n_lp)
     return (*map(np.asarray, out), n_lp)
 
 

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import socket
 import threading
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -63,6 +64,7 @@ class Server:
         self.info = convert.model_info(llm, max_waiting, replica_id or "")
         self._replica_id = replica_id
         self.failure: BaseException | None = None
+        self.warmup_seconds = 0.0  # engine thread start to SERVING
         self._grpc = self._http = self.service = self.engine_loop = self.health = None
 
     async def start(self) -> None:
@@ -73,7 +75,8 @@ class Server:
         self.health = health.aio.HealthServicer()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _NOT_SERVING)
-        self.engine_loop = EngineLoop(self.llm.engine, self.metrics, loop, self._on_ready, self._on_failed)
+        self.engine_loop = EngineLoop(self.llm.engine, self.metrics, loop, self._on_ready, self._on_failed,
+                                      self._on_progress)
         self.service = JaxServeService(self.llm, self.engine_loop, self.metrics, self.info, self.max_waiting,
                                        keys=self.keys, max_id_length=self.max_id_length, limits=self.limits)
         self._watchdog = asyncio.ensure_future(self.service.watch_unread())
@@ -111,6 +114,7 @@ class Server:
                  "(%d B/token, %s tokens)", f"{m.weight_bytes_prefill:,}", f"{m.weight_bytes_decode:,}",
                  f"{m.weight_bytes_resident:,}", f"{m.kv_bytes:,}", m.kv_pages, self.info.page_size,
                  m.kv_bytes_per_token, f"{m.max_cached_tokens:,}")
+        self._warmup_started = time.perf_counter()
         self.engine_loop.start()
 
     @property
@@ -121,6 +125,16 @@ class Server:
     def metrics_target(self) -> str:
         return f"{self.metrics_host}:{self.metrics_port}" if self.metrics_port is not None else "off"
 
+    def _on_progress(self, done: int, total: int) -> None:  # event loop thread
+        """Warm-up progress: health stays NOT_SERVING; the count goes to the metrics, the
+        UNAVAILABLE message of early requests, and the log (every tenth of the way)."""
+        before = self.service.warmup_progress[0]
+        self.service.warmup_progress = (done, total)
+        self.metrics.warmup_done.set(done)
+        self.metrics.warmup_total.set(total)
+        if done == total or done * 10 // total != before * 10 // total:
+            log.info("warming up: %d/%d serving programs ready (health NOT_SERVING)", done, total)
+
     def _on_ready(self) -> None:  # event loop thread
         asyncio.ensure_future(self._become_ready())
 
@@ -130,6 +144,7 @@ class Server:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _SERVING)
         self.service.phase = "serving"
+        self.warmup_seconds = time.perf_counter() - self._warmup_started
         self.metrics.serving.set(1)
         log.info("warm-up done: SERVING on %s", self.target)
         self._ready.set()

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 from jaxserve.server.client_cli import register_client
 
@@ -52,6 +53,9 @@ def register_serve(sub) -> None:
                    help="activations and loaded weights (auto: bfloat16 on a GPU, float32 elsewhere)")
     p.add_argument("--num-devices", type=int, default=1)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--profile-startup", action="store_true",
+                   help="log where the start's time went: imports, weights, engine set-up and, per serving "
+                        "program and bucket, cache load / trace / lower / compile")
     from jaxserve.cli_args import add_engine_args
 
     add_engine_args(p.add_argument_group("engine (EngineConfig)"))
@@ -102,6 +106,7 @@ def _exit_now(signum, frame):
 
 
 def run_serve(args) -> int:
+    args.started = time.perf_counter()
     for sig in _SIGNALS:  # until _serve's event loop takes them over
         signal.signal(sig, _exit_now)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -133,12 +138,17 @@ def _run(args) -> tuple[int, bool]:
         log.info("removed %s, left by a conversion whose process died", path)
     log.info("loading %s", args.model or "the default model")
     ensure_cpu_devices(args.num_devices)
+    t0 = time.perf_counter()
     enable_compile_cache()
+    from jaxserve.cli_args import with_program_cache
     from jaxserve.llm import LLM
+    from jaxserve.startup_profile import StartupProfile
 
+    profile = StartupProfile(args.started)
+    profile.add("imports (jax, jaxserve)", time.perf_counter() - t0)
     llm = LLM(args.model, dtype=args.dtype, kv_format=args.kv_format, num_devices=args.num_devices,
               keep_finished=0,  # each request's last output carries its completion
-              **engine_kwargs(args))
+              profile=profile, **with_program_cache(engine_kwargs(args)))
     return asyncio.run(_serve(args, llm, keys, credentials))
 
 
@@ -185,6 +195,9 @@ async def _serve(args, llm, keys, credentials) -> tuple[int, bool]:
             code = 1
         else:
             i = server.info
+            if args.profile_startup:
+                llm.profile.add("warm-up: build the serving programs", server.warmup_seconds)
+                log.info("%s", llm.profile.report(llm.engine.programs))
             print(f"jaxserve: SERVING on {server.target} ({i.architecture}, weights {i.decode.weights}, "
                   f"kv {i.decode.kv_cache}, fingerprint {i.fingerprint[:12]})", flush=True)
             await stopping

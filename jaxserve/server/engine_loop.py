@@ -19,7 +19,7 @@ own id right after cancelling without ever receiving the old request's late even
 
 The loop uses the engine's public interface only: add_request, abort, step (whose outputs
 say when a request is admitted, what it produced and how it ended), has_unfinished,
-snapshot and warmup.
+snapshot and warmup (whose progress it hands to the event loop).
 """
 from __future__ import annotations
 
@@ -78,11 +78,12 @@ class _Live:
 
 class EngineLoop:
     def __init__(self, engine, metrics, loop: asyncio.AbstractEventLoop,
-                 on_ready: Callable[[], None], on_failed: Callable[[BaseException], None]):
+                 on_ready: Callable[[], None], on_failed: Callable[[BaseException], None],
+                 on_progress: Callable[[int, int], None] | None = None):
         self.engine = engine
         self.metrics = metrics
         self.loop = loop
-        self._on_ready, self._on_failed = on_ready, on_failed
+        self._on_ready, self._on_failed, self._on_progress = on_ready, on_failed, on_progress
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}  # engine thread only
         self._out: list = []  # engine thread only: events of this iteration
@@ -137,7 +138,7 @@ class EngineLoop:
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         try:
-            self.engine.warmup()
+            self.engine.warmup(progress=self._progress)
         except BaseException as e:  # the server cannot serve: say so, never report SERVING
             log.exception("warm-up failed")
             self._post(self._on_failed, e)
@@ -151,6 +152,10 @@ class EngineLoop:
             self._sync()
             self._flush()
         self._reject_rest()
+
+    def _progress(self, done: int, total: int) -> None:  # warm-up (engine or compile threads)
+        if self._on_progress is not None:
+            self._post(self._on_progress, done, total)
 
     def _reject_rest(self) -> None:
         """After stop: nothing queued behind it may wait forever."""

@@ -46,6 +46,9 @@ class ServerMetrics:
                                      registry=r)
         self.compiles_after_warmup = Gauge("jaxserve_compiles_after_warmup",
                                            "Serving programs compiled after warm-up (should stay 0)", registry=r)
+        self.warmup_done = Gauge("jaxserve_warmup_programs_ready", "Serving programs built (loaded or compiled)",
+                                 registry=r)
+        self.warmup_total = Gauge("jaxserve_warmup_programs_total", "Serving programs warm-up builds", registry=r)
         self.serving = Gauge("jaxserve_serving", "1 when warmed up and accepting requests", registry=r)
         self.info = Info("jaxserve_model", "The served model and its formats", registry=r)
         for cause in ("stale_generation", "out_of_range_page", "page_not_owned"):

@@ -66,8 +66,14 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         self.info = info
         self.max_waiting = max_waiting
         self.phase = "warming up"  # -> "serving" -> "draining"; or "failed"
+        self.warmup_progress = (0, 0)  # serving programs ready, of how many (set by the server)
         self.active: dict[str, RequestStream] = {}  # client request id -> stream
         self._seq = itertools.count()
+
+    def state(self) -> str:
+        """The phase as a client reads it: "warming up (12/40 programs ready)" during warm-up."""
+        done, total = self.warmup_progress
+        return f"{self.phase} ({done}/{total} programs ready)" if self.phase == "warming up" and total else self.phase
 
     # ------------------------------------------------------------------ generation
     async def Generate(self, request, context):
@@ -168,7 +174,7 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         session = req.session_id or str(headers.get(SESSION_HEADER, ""))
         convert.check_id("session_id" if req.session_id else SESSION_HEADER, session, self.max_id_length)
         if self.phase != "serving":
-            raise errors.unavailable(self.phase)
+            raise errors.unavailable(self.state())
         check_stop(req.stop.stop, req.stop.stop_token_ids, self.limits)  # before any work on them
         params = convert.sampling_params(req)
         if req.WhichOneof("prompt") == "text":
@@ -182,7 +188,7 @@ class JaxServeService(pb_grpc.JaxServeServicer):
             md.append((SESSION_HEADER, session))
         await context.send_initial_metadata(tuple(md))
         if self.phase != "serving":  # it may have changed during the awaits above
-            raise errors.unavailable(self.phase)
+            raise errors.unavailable(self.state())
         if rid in self.active:
             raise errors.already_exists(rid)
         waiting = self.engine_loop.waiting

@@ -111,7 +111,7 @@ def served(llm, cases):
     from jaxserve.server.app import ServerThread
 
     gate, real_warmup = threading.Event(), llm.engine.warmup
-    llm.engine.warmup = lambda: (gate.wait(120), real_warmup())
+    llm.engine.warmup = lambda **kw: (gate.wait(120), real_warmup(**kw))
     from jaxserve.server.limits import ServeLimits
 
     st = ServerThread(llm, max_waiting=MAX_WAITING, replica_id="test-replica", limits=ServeLimits(**LIMITS)).start()
