@@ -98,7 +98,14 @@ def enable_compile_cache() -> None:
 
 def with_program_cache(kwargs: dict) -> dict:
     """The engine arguments with the command line's default program cache
-    (``<cache>/programs``: $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve) unless one was given."""
+    (``<cache>/programs``: $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve) unless one was given, and
+    the caches set up: jax's own persistent cache only when the program cache is off. (On CPU
+    an executable that jax loaded from its own cache serializes incomplete, so the program
+    cache cannot keep it: with both on, a program jax had cached would come from jax's cache
+    on every start, traced and lowered each time, and never enter the program cache.)"""
     from jaxserve.checkpoint.gguf import cache_root
 
-    return {"program_cache": str(cache_root() / "programs"), **kwargs}
+    kwargs = {"program_cache": str(cache_root() / "programs"), **kwargs}
+    if kwargs["program_cache"] in (None, "off"):
+        enable_compile_cache()
+    return kwargs

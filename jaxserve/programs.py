@@ -21,10 +21,24 @@ import time
 from typing import Callable
 
 import jax
+from jax import monitoring
 
 from jaxserve.program_cache import ProgramCache, program_key, runtime_parts
 
 log = logging.getLogger("jaxserve.programs")
+
+# Whether the compile running on this thread was served from jax's own persistent cache: on CPU
+# such an executable serializes incomplete (it fails to load: "Function ... not found"), so it
+# is used but never stored in the program cache.
+_thread = threading.local()
+
+
+def _on_jax_event(event: str, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _thread.jax_cache_hit = True
+
+
+monitoring.register_event_listener(_on_jax_event)
 
 
 @dataclasses.dataclass
@@ -56,9 +70,10 @@ def signature(args) -> list:
 
 
 class ProgramSet:
-    def __init__(self, cache: ProgramCache | None, key_parts: dict, workers: int = 2):
+    def __init__(self, cache: ProgramCache | None, key_parts: dict, workers: int = 2, runtime: dict | None = None):
         self.cache = cache
         self.key_parts = dict(key_parts)
+        self.runtime = runtime  # the installation's key inputs (default: program_cache.runtime_parts())
         self.workers = max(1, workers)
         self._ready: dict[str, jax.stages.Compiled] = {}
         self.timings: dict[str, ProgramTiming] = {}
@@ -77,7 +92,7 @@ class ProgramSet:
         return list(self._ready)
 
     def key(self, spec: ProgramSpec) -> tuple[str, dict]:
-        parts = {**self.key_parts, **runtime_parts(), "program": spec.name,
+        parts = {**self.key_parts, **(self.runtime or runtime_parts()), "program": spec.name,
                  "static": sorted((k, repr(v)) for k, v in spec.static.items()), "args": signature(spec.args)}
         return program_key(parts), parts
 
@@ -139,12 +154,17 @@ class ProgramSet:
     def _compile(self, spec: ProgramSpec, key: str, parts: dict, lowered) -> None:
         t = self.timings[spec.name]
         t0 = time.perf_counter()
+        _thread.jax_cache_hit = False
         compiled = lowered.compile()
-        t.compile_s, t.source = time.perf_counter() - t0, "compiled"
+        from_jax_cache = _thread.jax_cache_hit
+        t.compile_s, t.source = time.perf_counter() - t0, "jax-cache" if from_jax_cache else "compiled"
         with self._lock:
             self.compiled += 1
         self._ready[spec.name] = compiled
-        if self.cache is not None:
+        if from_jax_cache:
+            log.info("program cache: %s came from jax's compilation cache, whose executables do not serialize "
+                     "whole; not stored (turn jax's cache off to let the program cache keep it)", spec.name)
+        elif self.cache is not None:
             t0 = time.perf_counter()
             try:
                 from jax.experimental.serialize_executable import serialize

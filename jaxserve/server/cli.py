@@ -126,7 +126,7 @@ def run_serve(args) -> int:
 
 def _run(args) -> tuple[int, bool]:
     from jaxserve.checkpoint.gguf import remove_stale_conversions
-    from jaxserve.cli_args import enable_compile_cache, engine_kwargs, ensure_cpu_devices
+    from jaxserve.cli_args import engine_kwargs, ensure_cpu_devices
     from jaxserve.server import auth, convert
 
     # Everything an operator can get wrong is checked before the (slow) model load.
@@ -139,7 +139,6 @@ def _run(args) -> tuple[int, bool]:
     log.info("loading %s", args.model or "the default model")
     ensure_cpu_devices(args.num_devices)
     t0 = time.perf_counter()
-    enable_compile_cache()
     from jaxserve.cli_args import with_program_cache
     from jaxserve.llm import LLM
     from jaxserve.startup_profile import StartupProfile
