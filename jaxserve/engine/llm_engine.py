@@ -28,7 +28,8 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import Completion, EngineSnapshot, RequestOutput, StepRecord
-from jaxserve.engine.sampler import sample_sequences, sampler_spec
+from jaxserve.engine.sampler import sample_sequences
+from jaxserve.engine.warmup import Warmup, bucket_for, serving_buckets
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence
@@ -36,7 +37,7 @@ from jaxserve.kv import memory as kv_memory
 from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, TrackerStats, integrity_errors
 from jaxserve.program_cache import ProgramCache
 from jaxserve.programs import ProgramSet
-from jaxserve.runner import ModelRunner, bucket, pick_bucket, pow2_buckets, step_name, token_buckets
+from jaxserve.runner import ModelRunner, bucket, pick_bucket, token_buckets
 
 
 def default_attention_backend() -> str:
@@ -176,7 +177,7 @@ class LLMEngine:
             chunks = [c for c in sched.prefill if not c.seq.finished]
             rows = [(c.seq, c.seq.all_ids[c.start : c.start + c.num_tokens], c.start) for c in chunks]
             t = pick_bucket(max(len(r[1]) for r in rows), self.prefill_token_buckets)
-            res = self._run("prefill", rows, bucket(len(rows)), t)
+            res = self._run("prefill", rows, *self._bucket("prefill", bucket(len(rows)), t))
             to_sample = []
             for i, c in enumerate(chunks):
                 if not res.ok[i] or c.seq.finished:
@@ -189,7 +190,7 @@ class LLMEngine:
         decode = [s for s in sched.decode if not s.finished]
         if decode:
             rows = [(s, [s.output_ids[-1]], s.total_len - 1) for s in decode]
-            res = self._run("decode", rows, bucket(len(rows)), 1)
+            res = self._run("decode", rows, *self._bucket("decode", bucket(len(rows)), 1))
             to_sample = []
             for i, s in enumerate(decode):
                 if res.ok[i] and not s.finished:
@@ -213,6 +214,14 @@ class LLMEngine:
             if started or events.get(rid) or s.finished:
                 outs.append(self.outputs.output(s, events.get(rid, []), started=started))
         return outs
+
+    def _bucket(self, phase: str, b: int, t: int) -> tuple[int, int]:
+        """The bucket a step runs in: (b, t), or while warm-up is still building programs, the
+        smallest built one that holds it."""
+        if not self.runner.warm:
+            return b, t
+        decode, prefill = serving_buckets(self.config, self.prefill_token_buckets)
+        return bucket_for(self.programs, phase, b, t, [(d, 1) for d in decode] if phase == "decode" else prefill)
 
     def _run(self, phase, rows, b, t, all_logits: bool = False):
         """rows: (seq, new token ids, start position) -> the checked program; aborts failing rows."""
@@ -275,28 +284,22 @@ class LLMEngine:
         self._just_finished.append(s)
 
     # ------------------------------------------------------------------ warm-up
-    def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Build every serving program ahead of time, from the program cache when it holds them
-        (``config.program_cache``): the step per bucket (prefill rows x tokens, decode rows),
-        the generation updates, and the plain greedy and sampling variants of the sampler for
-        each batch size (the penalty and logprob variants compile on first use).
-        ``progress(done, total)`` follows the programs as they become ready."""
-        c = self.config
-        usable = c.num_pages - 1  # each running request holds a page at least
-        decode = pow2_buckets(1, max(1, min(c.max_num_seqs, usable)))
-        prefill_b = pow2_buckets(1, max(1, min(c.max_prefill_seqs, c.max_num_seqs, usable)))
-        prefill = [(b, t) for b in prefill_b for t in self.prefill_token_buckets]
-        steps = len(self.runner.program_specs(decode, prefill))
-        samplers = [(rows, n, greedy) for rows in sorted(set(decode) | set(prefill_b))
-                    for n in pow2_buckets(1, rows) for greedy in (True, False)]
-        total = steps + len(samplers)
-        self.runner.warmup(decode, prefill, (lambda done, _: progress(done, total)) if progress else None)
-        # The sampler reads the step programs' logits where they leave them (their sharding).
-        specs = [sampler_spec(self.programs.get(step_name("decode" if rows in decode else "prefill", rows,
-                                                          1 if rows in decode else self.prefill_token_buckets[0]))
-                              .output_shardings[0], rows, n, self.cfg.vocab_size, greedy)
-                 for rows, n, greedy in samplers]
-        self.programs.build(specs, (lambda done, _: progress(steps + done, total)) if progress else None)
+    def warmup(self, progress: Callable[[int, int], None] | None = None,
+               on_serviceable: Callable[[], None] | None = None) -> None:
+        """Build every serving program the configuration can use ahead of time, from the
+        program cache when it holds them (``config.program_cache``): the step per bucket, the
+        generation updates, and the plain greedy and sampling variants of the sampler (the
+        penalty and logprob variants compile on first use). ``progress(done, total)`` follows
+        the programs. With ``on_serviceable`` (serving while warming: call this from another
+        thread than ``step``'s) the compilation guard is on from the start, the programs that
+        let any batch run are built first, ``on_serviceable()`` is called, and until the rest
+        are built each step runs in the smallest built bucket that holds it."""
+        plan = Warmup(self.runner, self.programs, *serving_buckets(self.config, self.prefill_token_buckets),
+                      self.cfg.vocab_size)
+        if on_serviceable is not None:
+            self.runner.warm = True
+        plan.run(progress, on_serviceable)
+        self.runner.warm = True
 
     def mark_warm(self) -> None:
         """Count every later compilation of a serving program (after a warm-up of one's own

@@ -142,6 +142,10 @@ def sample_sequences(logits, rows, vocab_size: int, programs=None, build: bool =
     (a ProgramSet) supplies the ahead-of-time built plain samplers; with ``build`` a missing
     one is built into it now (before warm-up)."""
     b = _bucket(len(rows))
+    greedy = all(s.params.greedy for _, s in rows)
+    if programs is not None and not build:  # the smallest built sampler that holds the rows
+        while sampler_name(logits.shape[0], b, greedy) not in programs and b < logits.shape[0]:
+            b *= 2
     idx = np.zeros((b,), np.int32)
     temp, top_p, min_p = np.zeros(b, np.float32), np.ones(b, np.float32), np.zeros(b, np.float32)
     top_k, seeds, steps = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
@@ -154,7 +158,6 @@ def sample_sequences(logits, rows, vocab_size: int, programs=None, build: bool =
     extra = _penalty_inputs(rows, b, vocab_size) if penalties else {}
     n_lp = max((s.params.logprobs or 0) for _, s in rows)
     n_lp = 0 if n_lp == 0 and all(s.params.logprobs is None for _, s in rows) else _bucket(max(n_lp, 1))
-    greedy = all(s.params.greedy for _, s in rows)
     built = None
     if programs is not None and not penalties and n_lp == 0:
         name = sampler_name(logits.shape[0], b, greedy)

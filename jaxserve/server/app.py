@@ -43,14 +43,16 @@ class Server:
     grpc.ServerCredentials (``auth.server_credentials``) for TLS, None = plaintext. keys:
     the API keys (``auth.ApiKeys``; none = no authentication). max_id_length: the longest
     request / session id accepted. limits: bounds on the work of one request and on open
-    streams (``limits.ServeLimits``; None = the defaults). The weights are hashed here,
+    streams (``limits.ServeLimits``; None = the defaults). serve_while_warming: SERVING as soon
+    as the programs that let any batch run are built, the rest built meanwhile (batches padded
+    to built buckets until then; nothing compiles while serving). The weights are hashed here,
     once, for the fingerprint in GetModelInfo.
     """
 
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = 0,
                  max_waiting: int = 256, replica_id: str | None = None, metrics_host: str = "127.0.0.1",
                  credentials=None, keys: ApiKeys | None = None, max_id_length: int = convert.MAX_ID_LENGTH,
-                 limits: ServeLimits | None = None):
+                 limits: ServeLimits | None = None, serve_while_warming: bool = False):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         convert.check_id_options(max_id_length, replica_id)
@@ -58,6 +60,7 @@ class Server:
         self.host, self.port, self.metrics_port, self.metrics_host = host, port, metrics_port, metrics_host
         self.credentials, self.keys, self.max_id_length = credentials, keys or ApiKeys(), max_id_length
         self.limits = limits or ServeLimits()
+        self.serve_while_warming = serve_while_warming
         self.engine_stopped = True  # False if stop() left a warm-up still compiling
         self.max_waiting = max_waiting
         self.metrics = ServerMetrics()
@@ -76,7 +79,7 @@ class Server:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _NOT_SERVING)
         self.engine_loop = EngineLoop(self.llm.engine, self.metrics, loop, self._on_ready, self._on_failed,
-                                      self._on_progress)
+                                      self._on_progress, self.serve_while_warming)
         self.service = JaxServeService(self.llm, self.engine_loop, self.metrics, self.info, self.max_waiting,
                                        keys=self.keys, max_id_length=self.max_id_length, limits=self.limits)
         self._watchdog = asyncio.ensure_future(self.service.watch_unread())
@@ -146,7 +149,9 @@ class Server:
         self.service.phase = "serving"
         self.warmup_seconds = time.perf_counter() - self._warmup_started
         self.metrics.serving.set(1)
-        log.info("warm-up done: SERVING on %s", self.target)
+        done, total = self.service.warmup_progress
+        log.info("warm-up %s: SERVING on %s", "done" if done == total else
+                 f"serviceable ({done}/{total} programs ready; the rest build while serving)", self.target)
         self._ready.set()
 
     def _on_failed(self, error: BaseException) -> None:  # event loop thread

@@ -53,6 +53,9 @@ def register_serve(sub) -> None:
                    help="activations and loaded weights (auto: bfloat16 on a GPU, float32 elsewhere)")
     p.add_argument("--num-devices", type=int, default=1)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--serve-while-warming", action="store_true",
+                   help="report SERVING once the programs that let any batch run are built (largest buckets "
+                        "first) and build the rest while serving; batches pad to built buckets meanwhile")
     p.add_argument("--profile-startup", action="store_true",
                    help="log where the start's time went: imports, weights, engine set-up and, per serving "
                         "program and bucket, cache load / trace / lower / compile")
@@ -176,7 +179,8 @@ async def _serve(args, llm, keys, credentials) -> tuple[int, bool]:
     server = Server(llm, host=args.host, port=args.port, max_waiting=args.max_waiting, replica_id=args.replica_id,
                     metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                     metrics_host=args.metrics_host, credentials=credentials, keys=keys,
-                    max_id_length=args.max_id_length, limits=args.limits)
+                    max_id_length=args.max_id_length, limits=args.limits,
+                    serve_while_warming=args.serve_while_warming)
     await server.start()
     security = (f"{'TLS' if credentials is not None else 'plaintext'}, "
                 f"{f'{len(keys)} API key(s)' if keys.enabled else 'no API key'}")

@@ -79,8 +79,9 @@ class _Live:
 class EngineLoop:
     def __init__(self, engine, metrics, loop: asyncio.AbstractEventLoop,
                  on_ready: Callable[[], None], on_failed: Callable[[BaseException], None],
-                 on_progress: Callable[[int, int], None] | None = None):
+                 on_progress: Callable[[int, int], None] | None = None, serve_while_warming: bool = False):
         self.engine = engine
+        self.serve_while_warming = serve_while_warming
         self.metrics = metrics
         self.loop = loop
         self._on_ready, self._on_failed, self._on_progress = on_ready, on_failed, on_progress
@@ -138,7 +139,10 @@ class EngineLoop:
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         try:
-            self.engine.warmup(progress=self._progress)
+            if self.serve_while_warming:
+                self._warm_in_background()
+            else:
+                self.engine.warmup(progress=self._progress)
         except BaseException as e:  # the server cannot serve: say so, never report SERVING
             log.exception("warm-up failed")
             self._post(self._on_failed, e)
@@ -152,6 +156,25 @@ class EngineLoop:
             self._sync()
             self._flush()
         self._reject_rest()
+
+    def _warm_in_background(self) -> None:
+        """Warm up on a thread of its own; return (to serve) once the programs that let any
+        batch run are built. The engine then steps only in built buckets (``LLMEngine.warmup``)."""
+        serviceable, failed = threading.Event(), []
+
+        def build():
+            try:
+                self.engine.warmup(progress=self._progress, on_serviceable=serviceable.set)
+            except BaseException as e:
+                if serviceable.is_set():  # serving already: the built buckets keep serving
+                    log.exception("warm-up failed after serving began; unbuilt buckets will compile when used")
+                failed.append(e)
+                serviceable.set()
+
+        threading.Thread(target=build, name="jaxserve-warmup", daemon=True).start()
+        serviceable.wait()
+        if failed:
+            raise failed[0]
 
     def _progress(self, done: int, total: int) -> None:  # warm-up (engine or compile threads)
         if self._on_progress is not None:

@@ -143,3 +143,43 @@ def test_cache_entries_round_trip_and_reject_without_jax(tmp_path, caplog):
         assert cache.load(key) is None
     assert cache.rejected == 1 and not path.exists()
     assert "bad magic" in caplog.text
+
+
+def test_serving_while_warming_runs_in_built_buckets_only(model, first):
+    """on_serviceable is called once the largest buckets are built; a batch then runs padded
+    into them (the guard is on: a compilation would raise) with the same greedy tokens."""
+    _, _, tokens = first
+    llm = LLM(model, kv_format="bf16", **CONFIG)  # no disk cache: everything compiles here
+    seen, batches = {}, []
+    llm.engine.add_step_observer(lambda rec: batches.append((rec.phase, rec.rows, rec.batch)))
+
+    def serve_now():
+        seen["ready"] = sorted(llm.engine.programs.names())
+        seen["tokens"] = [list(c) for c in llm.generate(PROMPTS[:1], max_tokens=6, ignore_eos=True)]
+
+    progress = []
+    llm.engine.warmup(progress=lambda done, total: progress.append((done, total)), on_serviceable=serve_now)
+    assert "decode/1x1" not in seen["ready"] and "decode/2x1" in seen["ready"]
+    assert seen["tokens"] == tokens[:1]
+    assert ("decode", 1, 2) in batches  # one request decoded in the 2-row bucket
+    assert llm.runner.compiles_after_warmup == 0
+    assert progress[-1] == (11, 11) and len(llm.engine.programs.names()) == 11
+    assert [d for d, _ in progress] == sorted(d for d, _ in progress)
+
+
+def test_server_reports_warmup_progress(model, first):
+    import urllib.request
+
+    from jaxserve.client import Client
+    from jaxserve.server.app import ServerThread
+
+    _, cache, tokens = first
+    llm = LLM(model, kv_format="bf16", program_cache=str(cache), **CONFIG)
+    with ServerThread(llm, serve_while_warming=True) as st:
+        st.wait_ready(120)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{st.server.metrics_port}/metrics", timeout=10).read().decode()
+        assert "jaxserve_warmup_programs_total 11.0" in text
+        assert st.server.service.warmup_progress[1] == 11
+        client = Client(st.target, timeout=60)
+        assert list(client.generate(PROMPTS[0], max_tokens=6, ignore_eos=True).token_ids) == tokens[0]
+        client.close()
