@@ -9,8 +9,9 @@ runs the page tracker's batched check on every row's page table; a failing row i
 to the null page and writes nothing, and the caller aborts its request.
 
 Parameters are passed as the flat leaves of the NNX state (cheaper to dispatch than an
-``nnx.State``). After ``warmup()`` any new compilation of a serving program is counted, and
-raises ``RecompilationError`` when ``strict`` (tests), else is logged as a warning (serving).
+``nnx.State``). Serving programs are built ahead of time into a ``ProgramSet`` (maybe from the
+program cache on disk); once ``warm``, any other compilation of a serving program is counted,
+and raises ``RecompilationError`` when ``strict`` (tests), else is logged as a warning.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, pad_updates
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.attention_backends import get_backend
 from jaxserve.models.step import StepInput
+from jaxserve.buckets import bucket, pick_bucket, pow2_buckets, step_name, token_buckets  # noqa: F401 (public here)
 from jaxserve.programs import ProgramSet, ProgramSpec
 from jaxserve.quant.linear import describe, resolve_backend, use_backend
 from jaxserve.quant.phase import PhaseWeight, phase_states
@@ -37,40 +39,6 @@ log = logging.getLogger("jaxserve.runner")
 
 class RecompilationError(RuntimeError):
     """A serving program compiled after warm-up (a shape escaped the padding buckets)."""
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """Smallest power of two >= max(n, minimum)."""
-    n = max(n, minimum)
-    return 1 << (n - 1).bit_length()
-
-
-def pow2_buckets(lo: int, hi: int) -> list[int]:
-    out, b = [], bucket(lo)
-    while b < hi:
-        out.append(b)
-        b *= 2
-    return out + [bucket(hi)]
-
-
-def token_buckets(lo: int, hi: int) -> list[int]:
-    """Prefill token-count buckets: the powers of two from ``lo`` up to cover ``hi``, plus the
-    3/4 point below each one from 64 on (48, 96, 192, ...), which cuts the padding of a chunk
-    just past a power of two (a 70-token prompt pads to 96, not 128)."""
-    out = set()
-    for b in pow2_buckets(lo, hi):
-        out.add(b)
-        if b >= 64 and b * 3 // 4 >= lo:
-            out.add(b * 3 // 4)
-    return sorted(out)
-
-
-def pick_bucket(n: int, buckets: list[int]) -> int:
-    """The smallest bucket >= n (buckets sorted); an n past the last is a caller bug."""
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
 @dataclasses.dataclass
@@ -284,8 +252,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ warm-up
     def key_parts(self) -> dict:
-        """What shapes every serving program besides its bucket and input signature (the
-        program cache's key; ``jaxserve.program_cache`` adds the installation's parts)."""
+        """What shapes every serving program besides its bucket and inputs (the program cache key)."""
         mesh = None if self.mesh is None else {"shape": dict(self.mesh.shape), "devices": self.mesh.devices.size}
         return {"model": repr(self.cfg), "dtype": str(self.dtype), "kv_format": self.fmt.name,
                 "weights": repr(self.weight_formats), "attention": self.attention_backend,
@@ -306,9 +273,8 @@ class ModelRunner:
         return ProgramSpec(f"updates/{size}", self._apply_updates_fn(), (_abstract(self.generation), z, z))
 
     def _built(self, name: str, spec):
-        """The program ``name`` from the ProgramSet; before warm-up a missing one is built now
-        (from the program cache, or compiled and stored); after it, None (the jit path, whose
-        compilation the guard counts)."""
+        """The built program ``name``; before warm-up a missing one is built now, after it None
+        (the jit path, whose compilation the guard counts)."""
         if self.programs is None:
             return None
         built = self.programs.get(name)
@@ -332,24 +298,11 @@ class ModelRunner:
         return specs
 
     def use_programs(self, programs: ProgramSet) -> None:
-        """Build serving programs into ``programs`` (a ProgramSet, maybe with a disk cache): until
-        warm-up each program is built on first use; ``warmup`` builds them all at once."""
+        """Build serving programs into ``programs`` (a ProgramSet, maybe with a disk cache): each
+        on first use until ``warm`` (warm-up builds them all: ``jaxserve.engine.warmup``)."""
         self.programs = programs
-
-    def warmup(self, decode_batches: list[int], prefill_shapes: list[tuple[int, int]], progress=None) -> None:
-        """Build every serving program ahead of time (``program_specs``); afterwards serving
-        calls only these, and any other compilation is counted (or raises when ``strict``)."""
-        if self.programs is None:
-            self.programs = ProgramSet(None, self.key_parts())
-        self.programs.build(self.program_specs(decode_batches, prefill_shapes), progress)
-        self.warm = True
 
 
 def _abstract(x):
     """A committed array as the abstract input a program is built for (shape, dtype, placement)."""
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-
-
-def step_name(phase: str, batch: int, tokens: int) -> str:
-    """The ProgramSet name of a serving step program for one bucket."""
-    return f"{phase}/{batch}x{tokens}"

@@ -216,8 +216,7 @@ class LLMEngine:
         return outs
 
     def _bucket(self, phase: str, b: int, t: int) -> tuple[int, int]:
-        """The bucket a step runs in: (b, t), or while warm-up is still building programs, the
-        smallest built one that holds it."""
+        """(b, t), or while warm-up still builds programs, the smallest built bucket holding it."""
         if not self.runner.warm:
             return b, t
         decode, prefill = serving_buckets(self.config, self.prefill_token_buckets)
@@ -286,14 +285,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ warm-up
     def warmup(self, progress: Callable[[int, int], None] | None = None,
                on_serviceable: Callable[[], None] | None = None) -> None:
-        """Build every serving program the configuration can use ahead of time, from the
-        program cache when it holds them (``config.program_cache``): the step per bucket, the
-        generation updates, and the plain greedy and sampling variants of the sampler (the
-        penalty and logprob variants compile on first use). ``progress(done, total)`` follows
-        the programs. With ``on_serviceable`` (serving while warming: call this from another
-        thread than ``step``'s) the compilation guard is on from the start, the programs that
-        let any batch run are built first, ``on_serviceable()`` is called, and until the rest
-        are built each step runs in the smallest built bucket that holds it."""
+        """Build every serving program the configuration can use (``jaxserve.engine.warmup``),
+        from the program cache when it holds them; ``progress(done, total)`` follows them. With
+        ``on_serviceable`` (serving while warming, from another thread than ``step``'s) the
+        guard is on from the start and it is called once any batch can run (padded)."""
         plan = Warmup(self.runner, self.programs, *serving_buckets(self.config, self.prefill_token_buckets),
                       self.cfg.vocab_size)
         if on_serviceable is not None:

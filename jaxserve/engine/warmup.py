@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Callable
 
 from jaxserve.engine.sampler import sampler_spec
-from jaxserve.runner import pow2_buckets, step_name
+from jaxserve.buckets import pow2_buckets, step_name
 
 
 def serving_buckets(config, token_buckets: list[int]) -> tuple[list[int], list[tuple[int, int]]]:

@@ -158,16 +158,15 @@ class EngineLoop:
         self._reject_rest()
 
     def _warm_in_background(self) -> None:
-        """Warm up on a thread of its own; return (to serve) once the programs that let any
-        batch run are built. The engine then steps only in built buckets (``LLMEngine.warmup``)."""
+        """Warm up on a thread of its own; return (to serve) once any batch can run."""
         serviceable, failed = threading.Event(), []
 
         def build():
             try:
                 self.engine.warmup(progress=self._progress, on_serviceable=serviceable.set)
-            except BaseException as e:
-                if serviceable.is_set():  # serving already: the built buckets keep serving
-                    log.exception("warm-up failed after serving began; unbuilt buckets will compile when used")
+            except BaseException as e:  # before serving, _run reports it; after, built buckets serve on
+                if serviceable.is_set():
+                    log.exception("warm-up failed after serving began")
                 failed.append(e)
                 serviceable.set()
 
