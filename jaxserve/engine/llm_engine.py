@@ -106,6 +106,7 @@ class LLMEngine:
             integrity_checks=st.checks_run, integrity_rows=st.rows_checked,
             integrity_mismatches=dict(st.mismatches_by_cause), compiles_after_warmup=self.runner.compiles_after_warmup,
             preemptions=self.scheduler.num_preemptions,
+            programs_compiled=self.programs.compiled, programs_loaded=self.programs.loaded,
         )
 
     def add_step_observer(self, fn: Callable[[StepRecord], None]) -> Callable[[], None]:

@@ -135,6 +135,8 @@ class Server:
         self.service.warmup_progress = (done, total)
         self.metrics.warmup_done.set(done)
         self.metrics.warmup_total.set(total)
+        self.metrics.programs_compiled.set(self.llm.engine.programs.compiled)
+        self.metrics.programs_loaded.set(self.llm.engine.programs.loaded)
         if done == total or done * 10 // total != before * 10 // total:
             log.info("warming up: %d/%d serving programs ready (health NOT_SERVING)", done, total)
 

@@ -49,6 +49,10 @@ class ServerMetrics:
         self.warmup_done = Gauge("jaxserve_warmup_programs_ready", "Serving programs built (loaded or compiled)",
                                  registry=r)
         self.warmup_total = Gauge("jaxserve_warmup_programs_total", "Serving programs warm-up builds", registry=r)
+        self.programs_compiled = Gauge("jaxserve_programs_compiled", "Serving programs XLA compiled at start-up",
+                                       registry=r)
+        self.programs_loaded = Gauge("jaxserve_programs_loaded", "Serving programs loaded from the program cache",
+                                     registry=r)
         self.serving = Gauge("jaxserve_serving", "1 when warmed up and accepting requests", registry=r)
         self.info = Info("jaxserve_model", "The served model and its formats", registry=r)
         for cause in ("stale_generation", "out_of_range_page", "page_not_owned"):
@@ -65,6 +69,8 @@ class ServerMetrics:
         self.kv_total.set(snap.kv_pages_total)
         self.running.set(snap.running)
         self.compiles_after_warmup.set(snap.compiles_after_warmup)
+        self.programs_compiled.set(snap.programs_compiled)
+        self.programs_loaded.set(snap.programs_loaded)
         if snap.integrity_checks != self._seen_checks:
             self.integrity_checks.inc(snap.integrity_checks - self._seen_checks)
             self.integrity_rows.inc(snap.integrity_rows - self._seen_rows)

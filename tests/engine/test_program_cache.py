@@ -1,6 +1,7 @@
 """The program cache: a second start with the same configuration compiles nothing and gives the
 same tokens; a changed key input misses; a damaged entry is rejected with a log line and rebuilt."""
 import logging
+import time
 
 import jax
 import pytest
@@ -86,6 +87,8 @@ def test_second_start_compiles_nothing_and_gives_the_same_tokens(model, first):
         llm.warmup()
     p = llm.engine.programs
     assert (p.compiled, p.loaded) == (0, 11)
+    snap = llm.engine.snapshot()
+    assert (snap.programs_compiled, snap.programs_loaded) == (0, 11)
     assert xla.compiles == 0, "warm-up compiled with XLA although every program was cached"
     assert [list(c) for c in llm.generate(PROMPTS, max_tokens=6, ignore_eos=True)] == tokens
     assert llm.runner.compiles_after_warmup == 0
@@ -177,8 +180,12 @@ def test_server_reports_warmup_progress(model, first):
     llm = LLM(model, kv_format="bf16", program_cache=str(cache), **CONFIG)
     with ServerThread(llm, serve_while_warming=True) as st:
         st.wait_ready(120)
+        deadline = time.monotonic() + 60
+        while st.server.service.warmup_progress != (11, 11) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the last programs may still be loading: SERVING came first
         text = urllib.request.urlopen(f"http://127.0.0.1:{st.server.metrics_port}/metrics", timeout=10).read().decode()
         assert "jaxserve_warmup_programs_total 11.0" in text
+        assert "jaxserve_programs_loaded 11.0" in text and "jaxserve_programs_compiled 0.0" in text
         assert st.server.service.warmup_progress[1] == 11
         client = Client(st.target, timeout=60)
         assert list(client.generate(PROMPTS[0], max_tokens=6, ignore_eos=True).token_ids) == tokens[0]
