@@ -6,7 +6,8 @@ prefill rows up to ``max_prefill_seqs`` (and ``max_num_seqs``) by the prefill to
 
 ``Warmup`` builds them into the engine's ProgramSet: every checked step (largest bucket
 first), the generation updates, and the plain greedy and sampling variants of the sampler for
-every (logits rows, sampled rows) pair. With ``on_serviceable`` it builds first the programs
+each (logits rows, sampled rows) pair a step can meet (a call with fewer sampled rows pads up to a
+built one). With ``on_serviceable`` it builds first the programs
 that let any batch run (the largest decode and prefill buckets, the updates, the samplers of
 those row counts), calls it, and then builds the rest; meanwhile ``bucket_for`` gives each
 step the smallest *built* bucket that holds it (a batch padded further is slower, never
@@ -34,8 +35,10 @@ class Warmup:
         self.decode, self.prefill = decode, prefill
         # Specs are made now, on the engine's thread, from the runner's current arrays.
         self.steps = runner.program_specs(decode, prefill)
-        rows = sorted(set(decode) | {b for b, _ in prefill})
-        self.samplers = [(r, n, greedy) for r in rows for n in pow2_buckets(1, r) for greedy in (True, False)]
+        # A decode step samples every row of its bucket (n = rows; fewer only when a row failed
+        # its check, and those pad up); a prefill step samples the rows that complete a prompt.
+        pairs = {(r, r) for r in decode} | {(r, n) for r in {b for b, _ in prefill} for n in pow2_buckets(1, r)}
+        self.samplers = [(r, n, greedy) for r, n in sorted(pairs) for greedy in (True, False)]
         self.total = len(self.steps) + len(self.samplers)
 
     def core(self) -> tuple[set[str], set[int]]:

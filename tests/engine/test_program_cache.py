@@ -12,7 +12,7 @@ from jaxserve import LLM
 from jaxserve.program_cache import MAGIC, ProgramCache, program_key, runtime_parts
 from jaxserve.programs import ProgramSet
 
-# 11 programs: decode 1/2 rows, prefill 1 row x 16 tokens, updates 8/16, six samplers.
+# 9 programs: decode 1/2 rows, prefill 1 row x 16 tokens, updates 8/16, samplers 1x1 and 2x2 (greedy, sampling).
 CONFIG = dict(num_pages=16, page_size=8, max_num_seqs=2, max_prefill_seqs=1, prefill_chunk=16,
               max_num_batched_tokens=16, max_model_len=64, strict_compiles=True)
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4]]
@@ -81,14 +81,14 @@ def first(model, tmp_path_factory):
 def test_second_start_compiles_nothing_and_gives_the_same_tokens(model, first):
     llm1, cache, tokens = first
     p1 = llm1.engine.programs
-    assert p1.loaded == 0 and p1.compiled == len(p1.names()) == 11
+    assert p1.loaded == 0 and p1.compiled == len(p1.names()) == 9
     llm = LLM(model, kv_format="bf16", program_cache=str(cache), **CONFIG)
     with XlaCompiles() as xla:
         llm.warmup()
     p = llm.engine.programs
-    assert (p.compiled, p.loaded) == (0, 11)
+    assert (p.compiled, p.loaded) == (0, 9)
     snap = llm.engine.snapshot()
-    assert (snap.programs_compiled, snap.programs_loaded) == (0, 11)
+    assert (snap.programs_compiled, snap.programs_loaded) == (0, 9)
     assert xla.compiles == 0, "warm-up compiled with XLA although every program was cached"
     assert [list(c) for c in llm.generate(PROMPTS, max_tokens=6, ignore_eos=True)] == tokens
     assert llm.runner.compiles_after_warmup == 0
@@ -166,7 +166,7 @@ def test_serving_while_warming_runs_in_built_buckets_only(model, first):
     assert seen["tokens"] == tokens[:1]
     assert ("decode", 1, 2) in batches  # one request decoded in the 2-row bucket
     assert llm.runner.compiles_after_warmup == 0
-    assert progress[-1] == (11, 11) and len(llm.engine.programs.names()) == 11
+    assert progress[-1] == (9, 9) and len(llm.engine.programs.names()) == 9
     assert [d for d, _ in progress] == sorted(d for d, _ in progress)
 
 
@@ -181,12 +181,12 @@ def test_server_reports_warmup_progress(model, first):
     with ServerThread(llm, serve_while_warming=True) as st:
         st.wait_ready(120)
         deadline = time.monotonic() + 60
-        while st.server.service.warmup_progress != (11, 11) and time.monotonic() < deadline:
+        while st.server.service.warmup_progress != (9, 9) and time.monotonic() < deadline:
             time.sleep(0.05)  # the last programs may still be loading: SERVING came first
         text = urllib.request.urlopen(f"http://127.0.0.1:{st.server.metrics_port}/metrics", timeout=10).read().decode()
-        assert "jaxserve_warmup_programs_total 11.0" in text
-        assert "jaxserve_programs_loaded 11.0" in text and "jaxserve_programs_compiled 0.0" in text
-        assert st.server.service.warmup_progress[1] == 11
+        assert "jaxserve_warmup_programs_total 9.0" in text
+        assert "jaxserve_programs_loaded 9.0" in text and "jaxserve_programs_compiled 0.0" in text
+        assert st.server.service.warmup_progress[1] == 9
         client = Client(st.target, timeout=60)
         assert list(client.generate(PROMPTS[0], max_tokens=6, ignore_eos=True).token_ids) == tokens[0]
         client.close()
