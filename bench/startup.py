@@ -6,7 +6,7 @@ Each run starts a new server process with ``--profile-startup`` (its log gives t
 imports, weights, engine set-up, and per program and bucket cache load / trace / lower /
 compile), waits for SERVING, then sends one greedy request (8 prompt tokens, 1 new token) and
 stops it. ``cold`` empties the program cache first (the default model's conversion stays);
-``warm`` reuses what the previous run stored. Reported per run: seconds from process start
+``warm`` reuses what the previous run stored; ``+sww`` (``warm+sww``) adds ``--serve-while-warming``. Reported per run: seconds from process start
 to SERVING and to the first token, the process's CPU seconds (on a shared machine, wall time
 moves with the load; CPU time much less), and the profile. ``--json`` writes the figures.
 """
@@ -24,12 +24,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_once(args, label: str, cache: Path) -> dict:
-    if label == "cold":
+    if label.startswith("cold"):
         shutil.rmtree(cache / "programs", ignore_errors=True)
     env = dict(os.environ, JAXSERVE_CACHE_DIR=str(cache))
     cmd = [sys.executable, "-m", "jaxserve.server.cli", "serve", "--port", "0", "--metrics-port", "-1",
            "--max-num-seqs", str(args.max_num_seqs), "--drain-timeout", "2"]
     cmd += [] if args.no_profile else ["--profile-startup"]
+    cmd += ["--serve-while-warming"] if label.endswith("+sww") else []
     if args.model:
         cmd += ["--model", args.model]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -62,7 +63,8 @@ def run_once(args, label: str, cache: Path) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", default="cold,warm", help="comma-separated: cold | warm")
+    ap.add_argument("--runs", default="cold,warm",
+                    help="comma-separated: cold | warm, each optionally +sww (with --serve-while-warming)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--cache-dir", default=None, help="JAXSERVE_CACHE_DIR for the servers (default: the usual one)")

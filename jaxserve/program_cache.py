@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 log = logging.getLogger("jaxserve.program_cache")
@@ -75,6 +76,7 @@ class ProgramCache:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
         self.hits = self.misses = self.rejected = 0
+        self._lock = threading.Lock()  # loads run in a thread pool
 
     def path(self, key: str) -> Path:
         return self.root / f"{key}.program"
@@ -84,14 +86,17 @@ class ProgramCache:
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
-            self.misses += 1
+            with self._lock:
+                self.misses += 1
             return None
         reason = _problem(raw, key)
         if reason is None:
             header_end = raw.index(b"\n", len(MAGIC)) + 1
-            self.hits += 1
+            with self._lock:
+                self.hits += 1
             return raw[header_end:]
-        self.rejected += 1
+        with self._lock:
+            self.rejected += 1
         log.warning("program cache: rejected %s (%s); removing it and compiling the program again", path, reason)
         try:
             path.unlink()
