@@ -97,28 +97,25 @@ class ProgramSet:
         return program_key(parts), parts
 
     def build(self, specs: list[ProgramSpec], progress: Callable[[int, int], None] | None = None) -> None:
-        """Make every spec ready: cache hits first (loaded in a pool), then trace and lower each
-        miss here (Python, one at a time) while the pool compiles the ones already lowered,
-        storing each as it lands."""
+        """Make every spec ready: cache hits first, then trace and lower each miss here (Python,
+        one at a time) while a pool compiles the ones already lowered, storing each as it lands."""
         total, done = len(specs), sum(spec.name in self._ready for spec in specs)
         if progress and done:
             progress(done, total)
-        todo = [(spec, *self.key(spec)) for spec in specs if spec.name not in self._ready]
-        if not todo:
+        missed = []
+        for spec in specs:  # cache hits, one at a time (loading in a pool measured slower)
+            if spec.name in self._ready:
+                continue
+            key, parts = self.key(spec)
+            if self._load(spec, key):
+                done += 1
+                if progress:
+                    progress(done, total)
+            else:
+                missed.append((spec, key, parts))
+        if not missed:
             return
         with concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="jaxserve-compile") as pool:
-            # Cache hits load in the pool too (deserializing an executable releases the GIL).
-            loads = {pool.submit(self._load, spec, key): (spec, key, parts) for spec, key, parts in todo}
-            missed = []
-            for fut in concurrent.futures.as_completed(loads):
-                if fut.result():
-                    done += 1
-                    if progress:
-                        progress(done, total)
-                else:
-                    missed.append(loads[fut])
-            order = {id(spec): i for i, (spec, _, _) in enumerate(todo)}
-            missed.sort(key=lambda m: order[id(m[0])])  # in the specs' order (largest bucket first)
             futures = []
             for spec, key, parts in missed:
                 t = self.timings.setdefault(spec.name, ProgramTiming(spec.name))
