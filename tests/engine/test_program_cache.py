@@ -190,3 +190,16 @@ def test_server_reports_warmup_progress(model, first):
         client = Client(st.target, timeout=60)
         assert list(client.generate(PROMPTS[0], max_tokens=6, ignore_eos=True).token_ids) == tokens[0]
         client.close()
+
+
+def test_startup_profile_reports_every_program(first):
+    from jaxserve.startup_profile import StartupProfile
+
+    llm, _, _ = first
+    profile = StartupProfile()
+    profile.add("weights", 1.25)
+    text = profile.report(llm.engine.programs)
+    assert "weights" in text and "1.25" in text
+    assert "9 (0 from the program cache, 9 compiled" in text
+    for name in llm.engine.programs.names():  # one row per program, with its source
+        assert any(line.split()[:2] == [name, "compiled"] for line in text.splitlines()), name
