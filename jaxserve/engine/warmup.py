@@ -15,9 +15,12 @@ compiled), so a server can answer requests while it warms up.
 
 ``warm_engine`` is what ``LLMEngine.warmup`` runs: the plan above, or for a runner without a
 ProgramSet (a mesh over several processes) the jit path, whose every device call process 0
-mirrors to the followers; then a prefill or decode worker's KV handoff programs. A worker
-without decode weights (``role="prefill"``) has no decode bucket. In batch-invariant mode the
-samplers built are the per-row ones (``per_row``; their own names and cache keys).
+mirrors to the followers; then a prefill or decode worker's KV handoff programs (before
+``on_serviceable``: they run on the pools). A worker without decode weights
+(``role="prefill"``) has no decode bucket. In batch-invariant mode the samplers built are the
+per-row ones (``per_row``; their own names and cache keys). ``step_bucket`` is the engine's
+bucket choice while warming; ``warm_in_background`` runs a warm-up on a thread of its own and
+returns once serviceable (``serve --serve-while-warming``).
 """
 from __future__ import annotations
 
