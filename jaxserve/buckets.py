@@ -1,4 +1,4 @@
-"""Padding buckets: the fixed shapes every serving program is compiled for at warm-up."""
+"""Padding buckets: the shapes serving programs are built for, and their ProgramSet names."""
 from __future__ import annotations
 
 
@@ -34,3 +34,8 @@ def pick_bucket(n: int, buckets: list[int]) -> int:
         if b >= n:
             return b
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def step_name(phase: str, batch: int, tokens: int) -> str:
+    """The ProgramSet name of a serving step program for one bucket."""
+    return f"{phase}/{batch}x{tokens}"

@@ -9,7 +9,7 @@ import argparse
 import sys
 import time
 
-from jaxserve.cli_args import add_engine_args, enable_compile_cache, engine_kwargs, ensure_cpu_devices
+from jaxserve.cli_args import add_engine_args, engine_kwargs, ensure_cpu_devices
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -54,12 +54,12 @@ def run_generate(args) -> int:
     if not args.prompts and not args.prompt_ids:
         raise ValueError("give at least one text prompt or --prompt-ids")
     ensure_cpu_devices(args.num_devices)
-    enable_compile_cache()
+    from jaxserve.cli_args import with_program_cache
     from jaxserve.llm import LLM
 
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, kv_format=args.kv_format, num_devices=args.num_devices,
-              **engine_kwargs(args))
+              **with_program_cache(engine_kwargs(args)))
     for phase, path in llm.runner.weight_paths().items():
         print(f"[{phase} matmuls] {path}", file=sys.stderr)
     mem = llm.memory_report()

@@ -1,6 +1,6 @@
 """Command-line options and set-up shared by generate, serve, bench and experiment: the engine
 flags, built from EngineConfig's fields (one source for names, defaults and help), the KV
-format and presets; virtual CPU devices and the persistent compile cache."""
+format and presets; virtual CPU devices, the persistent compile cache and the program cache."""
 from __future__ import annotations
 
 import dataclasses
@@ -94,3 +94,18 @@ def enable_compile_cache() -> None:
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def with_program_cache(kwargs: dict) -> dict:
+    """The engine arguments with the command line's default program cache
+    (``<cache>/programs``: $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve) unless one was given, and
+    the caches set up: jax's own persistent cache only when the program cache is off. (On CPU
+    an executable that jax loaded from its own cache serializes incomplete, so the program
+    cache cannot keep it: with both on, a program jax had cached would come from jax's cache
+    on every start, traced and lowered each time, and never enter the program cache.)"""
+    from jaxserve.checkpoint.gguf import cache_root
+
+    kwargs = {"program_cache": str(cache_root() / "programs"), **kwargs}
+    if kwargs["program_cache"] in (None, "off"):
+        enable_compile_cache()
+    return kwargs

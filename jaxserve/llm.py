@@ -15,6 +15,7 @@ from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
 from jaxserve.engine.outputs import Completion, RequestOutput
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.sharding import make_mesh
+from jaxserve.startup_profile import StartupProfile
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -51,6 +52,7 @@ class LLM:
     num_devices: shard over this many devices (tensor/expert parallel).
     num_pages / page_size: the KV page pool (page 0 is reserved as the null page).
     preset: a named configuration from PRESETS ("article", "cpu"); explicit arguments win.
+    profile: a StartupProfile the load's stages are added to (``llm.profile``; a new one if None).
     Further keyword arguments are EngineConfig fields (prefill_weights, decode_weights,
     kv_cache_memory ("48GiB": the KV page count from a byte budget), memory_fraction,
     max_num_seqs, max_num_batched_tokens, prefill_chunk, enable_prefix_caching,
@@ -66,6 +68,7 @@ class LLM:
         num_pages: int = 256,
         page_size: int = 16,
         preset: str | None = None,
+        profile: StartupProfile | None = None,
         **engine_kwargs,
     ):
         if preset is not None:
@@ -83,10 +86,12 @@ class LLM:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES) + ['auto']}, got {dtype!r}")
         self.dtype = dtype
+        self.profile = profile = profile if profile is not None else StartupProfile()
         if model is None:
             from jaxserve.checkpoint.gguf import default_model_dir
 
-            model = str(default_model_dir())
+            with profile.stage("default model (converted on first use)"):
+                model = str(default_model_dir())
         # A converted (jaxserve) checkpoint fixes its formats; explicit disagreeing args are errors.
         from jaxserve.checkpoint.orbax_io import resolve_llm_formats
 
@@ -99,13 +104,16 @@ class LLM:
         self.model_path = str(model)
         self.fmt = get_kv_format(kv_format)
         self.mesh = make_mesh(num_devices) if num_devices > 1 else None
-        self.cfg, model_obj = load_model(model, _DTYPES[dtype], self.mesh)
+        with profile.stage("config and weights (memory-mapped safetensors)"):
+            self.cfg, model_obj = load_model(model, _DTYPES[dtype], self.mesh)
         self.tokenizer = None
-        if any((Path(model) / f).exists() for f in ("tokenizer.json", "tiktoken.model")):
-            from jaxserve.tokenizer import Tokenizer
+        with profile.stage("tokenizer"):
+            if any((Path(model) / f).exists() for f in ("tokenizer.json", "tiktoken.model")):
+                from jaxserve.tokenizer import Tokenizer
 
-            self.tokenizer = Tokenizer.from_dir(model)
-        self.engine = LLMEngine(model_obj, config, self.fmt, self.tokenizer, self.mesh)
+                self.tokenizer = Tokenizer.from_dir(model)
+        with profile.stage("engine: weight formats, KV pools"):
+            self.engine = LLMEngine(model_obj, config, self.fmt, self.tokenizer, self.mesh)
         self.runner = self.engine.runner
         self.page_size = page_size
         self.num_pages = self.engine.config.num_pages  # a KV byte budget may have decided it
@@ -213,6 +221,8 @@ class LLM:
                         left.discard(out.request_id)
                     yield out
 
-    def warmup(self) -> None:
-        """Compile every serving program bucket now (serving never compiles afterwards)."""
-        self.engine.warmup()
+    def warmup(self, progress=None) -> None:
+        """Build every serving program bucket now, from the program cache where it holds them
+        (serving never compiles afterwards); ``progress(done, total)`` follows the programs."""
+        with self.profile.stage("warm-up: build the serving programs"):
+            self.engine.warmup(progress)

@@ -9,14 +9,18 @@ runs the page tracker's batched check on every row's page table; a failing row i
 to the null page and writes nothing, and the caller aborts its request.
 
 Parameters are passed as the flat leaves of the NNX state (cheaper to dispatch than an
-``nnx.State``). After ``warmup()`` any new compilation of a serving program is counted, and
-raises ``RecompilationError`` when ``strict`` (tests), else is logged as a warning (serving).
+``nnx.State``). Serving programs are built ahead of time into a ``ProgramSet`` (maybe from the
+program cache on disk: ``jaxserve.runner_programs``); once ``warm``, any other compilation of a
+serving program is counted, and raises ``RecompilationError`` when ``strict`` (tests), else is
+logged as a warning.
 
 A mesh over several processes (``jaxserve.multihost``): every process makes the same device
 calls in the same order. Process 0 sets a mirror (``set_mirror``) that sends each call's host
 inputs to the others before making it; they replay it (``step`` / ``apply_padded_updates``).
 The logits come back replicated, and ``step`` returns process 0's local copy, so sampling
-runs on process 0 alone.
+runs on process 0 alone. Such a runner keeps the jit path (no ProgramSet, no program cache):
+its warm-up is ``warmup``, whose every call is mirrored, so the followers compile the same
+programs in the same order.
 """
 from __future__ import annotations
 
@@ -33,8 +37,9 @@ from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, pad_updates
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.attention_backends import get_backend
 from jaxserve.models.step import StepInput
-from jaxserve.buckets import bucket, pick_bucket, pow2_buckets, token_buckets  # noqa: F401 (re-exported)
+from jaxserve.buckets import bucket, pick_bucket, pow2_buckets, step_name, token_buckets  # noqa: F401 (re-exported)
 from jaxserve.quant.linear import describe, fixed_row_tiles, resolve_backend, use_backend
+from jaxserve.runner_programs import ProgramsRunnerMixin
 from jaxserve.quant.phase import PhaseWeight, phase_states
 from jaxserve.sharding import MODEL_AXIS, Mesh, NamedSharding, PartitionSpec, replicated
 
@@ -54,7 +59,7 @@ class StepResult:
     cause: np.ndarray  # int32 [B] page_tracker cause codes
 
 
-class ModelRunner(HandoffRunnerMixin):
+class ModelRunner(HandoffRunnerMixin, ProgramsRunnerMixin):
     def __init__(
         self,
         model,
@@ -205,18 +210,6 @@ class ModelRunner(HandoffRunnerMixin):
             self._jitted[key] = jax.jit(step, donate_argnums=(1,))
         return self._jitted[key]
 
-    def lower(self, phase: str, batch: int, tokens: int = 1, platform: str | None = None):
-        """The serving program ``phase`` lowered for one bucket (batch rows x new tokens), for
-        inspection: ``.as_text()`` (StableHLO), ``.compile().as_text()`` (optimized HLO), or for
-        another platform (``platform="cuda"`` lowers without a GPU; the matmul and attention
-        backends are the runner's). Inputs are abstract: nothing runs."""
-        abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-        b, m = jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch, self.max_pages_per_seq), jnp.int32)
-        inp = StepInput(tokens=jax.ShapeDtypeStruct((batch, tokens), jnp.int32), cached_lens=b, new_lens=b, page_table=m)
-        args = jax.tree.map(abstract, (self.phase_params[phase][0], self.kv, self.generation))
-        traced = self._program(phase).trace(*args, inp, m, b)
-        return traced.lower(lowering_platforms=(platform,)) if platform else traced.lower()
-
     def _unchecked(self):
         if "all_logits" not in self._jitted:
             self._jitted["all_logits"] = jax.jit(self._model_fn(True), donate_argnums=(1,))
@@ -238,34 +231,44 @@ class ModelRunner(HandoffRunnerMixin):
         """The generation update on padded int32 [n] pages / counts (n a power of two)."""
         if self._mirror is not None:
             self._mirror("updates", (pages, counts), {})
-        self.generation = self._apply_updates_fn()(self.generation, jnp.asarray(pages), jnp.asarray(counts))
+        n = len(pages)
+        built = self._built(f"updates/{n}", lambda: self._updates_spec(n))
+        self.generation = (built or self._apply_updates_fn())(self.generation, jnp.asarray(pages), jnp.asarray(counts))
 
     def step(self, phase: str, tokens, cached_lens, new_lens, page_table, expected, num_pages_used,
              all_logits: bool = False) -> StepResult:
         """Run the checked `phase` program on padded numpy inputs; updates the KV pools. With
         ``all_logits`` (scoring, never while serving) the logits are [B, T, V] and its
         compilations are not serving compilations."""
-        fn = self._program(phase, all_logits)
         if self._mirror is not None:
             host = tuple(np.asarray(x, np.int32) for x in (tokens, cached_lens, new_lens, page_table, expected,
                                                            num_pages_used))
             self._mirror("step", host, {"phase": phase, "all_logits": all_logits})
+        if phase not in self.phase_params:
+            raise RuntimeError(f"a {self.role} worker holds no {phase} weights: it has no {phase} program")
         inp = StepInput(
             tokens=jnp.asarray(tokens, jnp.int32),
             cached_lens=jnp.asarray(cached_lens, jnp.int32),
             new_lens=jnp.asarray(new_lens, jnp.int32),
             page_table=jnp.asarray(page_table, jnp.int32),
         )
+        args = (self.phase_params[phase][0], self.kv, self.generation, inp,
+                jnp.asarray(expected, jnp.int32), jnp.asarray(num_pages_used, jnp.int32))
+        b, t = inp.tokens.shape
+        built = None if all_logits else self._built(step_name(phase, b, t), lambda: self._step_spec(phase, b, t))
+        if built is not None:  # compiled ahead of time: a call with other shapes raises, never compiles
+            logits, self.kv, ok, cause = built(*args)
+            return StepResult(self._local(logits), np.asarray(ok), np.asarray(cause))
+        fn = self._program(phase, all_logits)
         before = fn._cache_size()
-        logits, self.kv, ok, cause = fn(
-            self.phase_params[phase][0], self.kv, self.generation, inp,
-            jnp.asarray(expected, jnp.int32), jnp.asarray(num_pages_used, jnp.int32),
-        )
+        logits, self.kv, ok, cause = fn(*args)
         if self.warm and not all_logits and fn._cache_size() != before:
             self.recompiled(f"{phase} program compiled after warm-up for shape tokens={tuple(inp.tokens.shape)}")
-        if self.spans_processes:
-            logits = logits.addressable_data(0)
-        return StepResult(logits, np.asarray(ok), np.asarray(cause))
+        return StepResult(self._local(logits), np.asarray(ok), np.asarray(cause))
+
+    def _local(self, logits):
+        """Process 0's copy of replicated logits when the mesh spans processes."""
+        return logits.addressable_data(0) if self.spans_processes else logits
 
     def recompiled(self, msg: str) -> None:
         """A serving program compiled after warm-up: counted; raises when strict."""
@@ -289,26 +292,3 @@ class ModelRunner(HandoffRunnerMixin):
         if "last_logits" not in self._jitted:
             self._jitted["last_logits"] = jax.jit(self._model_fn(False), donate_argnums=(1,))
         return self._jitted["last_logits"]
-
-    # ------------------------------------------------------------------ warm-up
-    def warmup(self, decode_batches: list[int], prefill_shapes: list[tuple[int, int]]) -> None:
-        """Compile every serving bucket now (page tables of padding rows are all null)."""
-        m = self.max_pages_per_seq
-        if "decode" not in self.phase_params:
-            decode_batches = []
-        for phase, shapes in (("decode", [(b, 1) for b in decode_batches]), ("prefill", prefill_shapes)):
-            for b, t in shapes:
-                z = np.zeros((b,), np.int32)
-                self.step(phase, np.zeros((b, t), np.int32), z, z, np.zeros((b, m), np.int32),
-                          np.zeros((b, m), np.int32), z)
-        if self.tracker.enabled:  # the generation update, at every padded size a step can need
-            size = 8
-            while True:
-                z = np.zeros((size,), np.int32)
-                self.apply_padded_updates(z, z)  # count 0: a no-op
-                if size >= self.num_pages:
-                    break
-                size *= 2
-        self.warm = True
-
-

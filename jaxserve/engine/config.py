@@ -63,6 +63,10 @@ class EngineConfig:
                                                  "(the decode workers' pool format; default fp8_e4m3)", type=str, cli=False)
     keep_finished: int = _field(1024, "finished requests the engine keeps answering completion(id) for (a server "
                                       "needs none: each request's last output carries its completion)", cli=False)
+    program_cache: str | None = _field(
+        None, "directory of the compiled-program cache, so a restart with the same configuration compiles "
+              "nothing ('off': none; default: none from Python, <cache>/programs from the command line)", type=str)
+    compile_workers: int = _field(0, "programs compiled at once during warm-up (0: one per CPU core)")
     strict_compiles: bool = _field(
         None, "a serving program compiled after warm-up raises (default: logged and counted; "
               "$JAXSERVE_STRICT_COMPILES=1 turns it on)",
@@ -75,6 +79,8 @@ class EngineConfig:
             from jaxserve.kv.formats import get_kv_format
 
             get_kv_format(self.kv_handoff_format)
+        if self.compile_workers < 0:
+            raise ValueError(f"compile_workers must be >= 0, got {self.compile_workers}")
         if self.keep_finished < 0:
             raise ValueError("keep_finished must be >= 0")
         if self.num_pages < 2:

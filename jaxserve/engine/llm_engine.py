@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 from typing import Callable
 
@@ -27,14 +28,17 @@ from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import Completion, EngineSnapshot, RequestOutput, StepRecord
-from jaxserve.engine.sampler import sample_rows, sample_sequences
+from jaxserve.engine.sampler import sample_sequences
+from jaxserve.engine.warmup import step_bucket, warm_engine
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.kv_handoff import KvHandoffMixin
 from jaxserve.engine.sequence import KvImport, Sequence
 from jaxserve.kv import memory as kv_memory
 from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, TrackerStats, integrity_errors
-from jaxserve.runner import ModelRunner, bucket, pick_bucket, pow2_buckets, token_buckets
+from jaxserve.program_cache import ProgramCache
+from jaxserve.programs import ProgramSet
+from jaxserve.runner import ModelRunner, bucket, pick_bucket, token_buckets
 
 
 def default_attention_backend() -> str:
@@ -76,6 +80,11 @@ class LLMEngine(KvHandoffMixin):
         self._seed_rng = np.random.default_rng(config.seed)
         self._just_finished: list[Sequence] = []
         self._observers: list[Callable[[StepRecord], None]] = []
+        # Every serving program is built ahead of time into this set (from the program cache on
+        # disk when it holds it): all at warm-up, or each on first use before it.
+        cache = None if config.program_cache in (None, "off") else ProgramCache(config.program_cache)
+        self.programs = ProgramSet(cache, self.runner.key_parts(), config.compile_workers or os.cpu_count() or 1)
+        self.runner.use_programs(self.programs)
 
     def memory_report(self) -> dict:
         """What the engine holds: weight bytes per phase (and resident: shared arrays once), the
@@ -100,6 +109,7 @@ class LLMEngine(KvHandoffMixin):
             integrity_checks=st.checks_run, integrity_rows=st.rows_checked,
             integrity_mismatches=dict(st.mismatches_by_cause), compiles_after_warmup=self.runner.compiles_after_warmup,
             preemptions=self.scheduler.num_preemptions,
+            programs_compiled=self.programs.compiled, programs_loaded=self.programs.loaded,
         )
 
     def add_step_observer(self, fn: Callable[[StepRecord], None]) -> Callable[[], None]:
@@ -187,7 +197,7 @@ class LLMEngine(KvHandoffMixin):
             chunks = [c for c in sched.prefill if not c.seq.finished]
             rows = [(c.seq, c.seq.all_ids[c.start : c.start + c.num_tokens], c.start) for c in chunks]
             t = pick_bucket(max(len(r[1]) for r in rows), self.prefill_token_buckets)
-            res = self._run("prefill", rows, bucket(len(rows)), t)
+            res = self._run("prefill", rows, *step_bucket(self, "prefill", bucket(len(rows)), t))
             to_sample = []
             for i, c in enumerate(chunks):
                 if not res.ok[i] or c.seq.finished:
@@ -200,7 +210,7 @@ class LLMEngine(KvHandoffMixin):
         decode = [s for s in sched.decode if not s.finished]
         if decode:
             rows = [(s, [s.output_ids[-1]], s.total_len - 1) for s in decode]
-            res = self._run("decode", rows, bucket(len(rows)), 1)
+            res = self._run("decode", rows, *step_bucket(self, "decode", bucket(len(rows)), 1))
             to_sample = []
             for i, s in enumerate(decode):
                 if res.ok[i] and not s.finished:
@@ -266,7 +276,9 @@ class LLMEngine(KvHandoffMixin):
     def _sample(self, logits, rows: list[tuple[int, Sequence]], events) -> None:
         if not rows:
             return
-        tokens, lp, top_ids, top_lp, n_lp = sample_sequences(logits, rows, self.cfg.vocab_size, self.config.batch_invariant)
+        tokens, lp, top_ids, top_lp, n_lp = sample_sequences(
+            logits, rows, self.cfg.vocab_size, self.config.batch_invariant, self.runner.programs,
+            build=not self.runner.warm)
         now = time.perf_counter()
         for j, (_, s) in enumerate(rows):
             if s.finished:
@@ -291,24 +303,14 @@ class LLMEngine(KvHandoffMixin):
         self._just_finished.append(s)
 
     # ------------------------------------------------------------------ warm-up
-    def warmup(self) -> None:
-        """Compile every serving bucket (prefill rows x tokens, decode rows) and the plain
-        greedy and sampling variants of the sampler for each batch size (the penalty and
-        logprob variants compile on first use)."""
-        c = self.config
-        decode = pow2_buckets(1, c.max_num_seqs)
-        prefill_b = pow2_buckets(1, c.max_prefill_seqs)
-        self.runner.warmup(decode, [(b, t) for b in prefill_b for t in self.prefill_token_buckets])
-        if c.role != "both":  # the KV handoff programs: export on a prefill worker, import on a decode worker
-            exports = sorted({self.runner.fmt.name, c.kv_handoff_format or "fp8_e4m3"}) if c.role == "prefill" else []
-            self.runner.warmup_handoff(exports, imports=c.role == "decode")
-        v = self.cfg.vocab_size
-        for rows in sorted(set(decode) | set(prefill_b)):
-            for n in pow2_buckets(1, rows):
-                f32, i32 = np.zeros(n, np.float32), np.zeros(n, np.int32)
-                for greedy in (True, False):
-                    sample_rows(np.zeros((rows, v), np.float32), i32, f32, i32, np.ones(n, np.float32), f32, i32, i32,
-                                all_greedy=greedy, penalties=False, num_logprobs=0, per_row=c.batch_invariant)
+    def warmup(self, progress: Callable[[int, int], None] | None = None,
+               on_serviceable: Callable[[], None] | None = None) -> None:
+        """Build every serving program the configuration can use (``jaxserve.engine.warmup``),
+        from the program cache when it holds them, and a worker role's KV handoff programs;
+        ``progress(done, total)`` follows them. With ``on_serviceable`` (serving while warming,
+        from another thread than ``step``'s) the guard is on from the start and it is called
+        once any batch can run (padded)."""
+        warm_engine(self, progress, on_serviceable)
 
     def mark_warm(self) -> None:
         """Count every later compilation of a serving program (after a warm-up of one's own

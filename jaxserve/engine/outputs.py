@@ -80,6 +80,8 @@ class EngineSnapshot:
     integrity_mismatches: dict  # cause -> rows
     compiles_after_warmup: int
     preemptions: int  # since start
+    programs_compiled: int = 0  # serving programs XLA compiled for this engine (warm-up, or first use before it)
+    programs_loaded: int = 0  # serving programs loaded from the program cache instead
 
 
 @dataclasses.dataclass(frozen=True)

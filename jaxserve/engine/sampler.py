@@ -131,11 +131,33 @@ def _sample_batch(logits, temperature, top_k, top_p, min_p, seeds, steps, counts
     return tokens, logprob, top_ids.astype(jnp.int32), top_lp
 
 
-def sample_sequences(logits, rows, vocab_size: int, per_row: bool = False):
+def sampler_name(rows: int, n: int, greedy: bool, per_row: bool = False) -> str:
+    """The ProgramSet name of the plain (no penalties, no logprobs) sampler for logits [rows, V]
+    and n sampled rows (``per_row``: the batch-invariant variant, a program of its own)."""
+    return f"sample/{rows}x{n}/{'greedy' if greedy else 'sample'}" + ("/per_row" if per_row else "")
+
+
+def sampler_spec(logits_sharding, rows: int, n: int, vocab_size: int, greedy: bool, per_row: bool = False):
+    """The ahead-of-time build of ``sampler_name(rows, n, greedy, per_row)`` (a ProgramSpec)."""
+    from jaxserve.programs import ProgramSpec
+
+    f32, i32 = np.zeros(n, np.float32), np.zeros(n, np.int32)
+    logits = jax.ShapeDtypeStruct((rows, vocab_size), jnp.float32, sharding=logits_sharding)
+    return ProgramSpec(sampler_name(rows, n, greedy, per_row), sample_rows,
+                       (logits, i32, f32, i32, np.ones(n, np.float32), f32, i32, i32),
+                       dict(all_greedy=greedy, penalties=False, num_logprobs=0, per_row=per_row))
+
+
+def sample_sequences(logits, rows, vocab_size: int, per_row: bool = False, programs=None, build: bool = False):
     """Sample one token for each (logits row index, Sequence) in ``rows`` with its own
     parameters (``per_row``: batch-invariant, see sample_rows); -> numpy (tokens, logprobs,
-    top ids, top logprobs, top-n bucket)."""
+    top ids, top logprobs, top-n bucket). ``programs`` (a ProgramSet) supplies the ahead-of-time
+    built plain samplers; with ``build`` a missing one is built into it now (before warm-up)."""
     b = _bucket(len(rows))
+    greedy = all(s.params.greedy for _, s in rows)
+    if programs is not None and not build:  # the smallest built sampler that holds the rows
+        while sampler_name(logits.shape[0], b, greedy, per_row) not in programs and b < logits.shape[0]:
+            b *= 2
     idx = np.zeros((b,), np.int32)
     temp, top_p, min_p = np.zeros(b, np.float32), np.ones(b, np.float32), np.zeros(b, np.float32)
     top_k, seeds, steps = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
@@ -148,9 +170,17 @@ def sample_sequences(logits, rows, vocab_size: int, per_row: bool = False):
     extra = _penalty_inputs(rows, b, vocab_size) if penalties else {}
     n_lp = max((s.params.logprobs or 0) for _, s in rows)
     n_lp = 0 if n_lp == 0 and all(s.params.logprobs is None for _, s in rows) else _bucket(max(n_lp, 1))
-    out = sample_rows(logits, idx, temp, top_k, top_p, min_p, seeds, steps, **extra,
-                      all_greedy=all(s.params.greedy for _, s in rows), penalties=penalties, num_logprobs=n_lp,
-                      per_row=per_row)
+    built = None
+    if programs is not None and not penalties and n_lp == 0:
+        name = sampler_name(logits.shape[0], b, greedy, per_row)
+        if build and name not in programs:
+            programs.build([sampler_spec(logits.sharding, logits.shape[0], b, vocab_size, greedy, per_row)])
+        built = programs.get(name)
+    if built is not None:
+        out = built(logits, idx, temp, top_k, top_p, min_p, seeds, steps)
+    else:
+        out = sample_rows(logits, idx, temp, top_k, top_p, min_p, seeds, steps, **extra,
+                          all_greedy=greedy, penalties=penalties, num_logprobs=n_lp, per_row=per_row)
     return (*map(np.asarray, out), n_lp)
 
 

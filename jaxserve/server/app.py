@@ -11,12 +11,13 @@ import asyncio
 import logging
 import socket
 import threading
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxserve.server import convert, errors
+from jaxserve.server import announce, convert, errors
 from jaxserve.server.auth import ApiKeys
 from jaxserve.server.engine_loop import EngineLoop
 from jaxserve.server.guard import RequestGuard
@@ -52,10 +53,12 @@ class Server:
     OpenAI-compatible HTTP API on host:http_port (None = off, 0 = a free port: read
     ``.http_port``), with the same keys and limits, over TLS with http_tls (``HttpTls``);
     served_model_name: the model's name there (default: the checkpoint's directory name).
-    The weights are hashed here, once, for the fingerprint in GetModelInfo. group: process 0's
-    ``multihost.StepLeader`` of a multi-process replica (None: one process); when it loses a
-    process, the server turns NOT_SERVING, fails every request in flight with UNAVAILABLE and
-    sets ``replica_lost``.
+    serve_while_warming: SERVING as soon as the programs that let any batch run are built, the
+    rest built meanwhile (batches padded to built buckets until then; nothing compiles while
+    serving). The weights are hashed here, once, for the fingerprint in GetModelInfo. group:
+    process 0's ``multihost.StepLeader`` of a multi-process replica (None: one process); when it
+    loses a process, the server turns NOT_SERVING, fails every request in flight with
+    UNAVAILABLE and sets ``replica_lost``.
     """
 
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = 0,
@@ -63,7 +66,7 @@ class Server:
                  credentials=None, keys: ApiKeys | None = None, max_id_length: int = convert.MAX_ID_LENGTH,
                  limits: ServeLimits | None = None, http_port: int | None = None, http_tls: HttpTls | None = None,
                  served_model_name: str | None = None, kv_transport: str = "grpc", handoff_ttl_s: float = 30.0,
-                 pull_timeout_s: float = 10.0, group=None):
+                 pull_timeout_s: float = 10.0, group=None, serve_while_warming: bool = False):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         convert.check_id_options(max_id_length, replica_id)
@@ -71,6 +74,7 @@ class Server:
         self.host, self.port, self.metrics_port, self.metrics_host = host, port, metrics_port, metrics_host
         self.credentials, self.keys, self.max_id_length = credentials, keys or ApiKeys(), max_id_length
         self.limits = limits or ServeLimits()
+        self.serve_while_warming = serve_while_warming
         self.engine_stopped = True  # False if stop() left a warm-up still compiling
         self.max_waiting = max_waiting
         self.metrics = ServerMetrics()
@@ -83,6 +87,7 @@ class Server:
         self.handoff_options = dict(transport=kv_transport, ttl_s=handoff_ttl_s, pull_timeout_s=pull_timeout_s)
         self.handoff = self._handoff_watch = None
         self.failure: BaseException | None = None
+        self.warmup_seconds = 0.0  # engine thread start to SERVING
         self._grpc = self._http = self.service = self.engine_loop = self.health = None
         self.http_port, self.http_tls, self.http = http_port, http_tls, None
         self.served_model_name = served_model_name or self.info.model or "jaxserve"
@@ -97,7 +102,8 @@ class Server:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _NOT_SERVING)
         self.engine_loop = EngineLoop(self.llm.engine, self.metrics, loop, self._on_ready, self._on_failed,
-                                      self._explain_step_error if self.group is not None else None)
+                                      explain_error=self._explain_step_error if self.group is not None else None,
+                                      on_progress=self._on_progress, serve_while_warming=self.serve_while_warming)
         self.service = JaxServeService(self.llm, self.engine_loop, self.metrics, self.info, self.max_waiting,
                                        keys=self.keys, max_id_length=self.max_id_length, limits=self.limits)
         self._watchdog = asyncio.ensure_future(self.service.watch_unread())
@@ -123,12 +129,7 @@ class Server:
         reflection.enable_server_reflection(names, self._grpc)
         # The default replica id names the port actually bound (a router's key for this replica).
         self.info.replica_id = self._replica_id or f"{socket.gethostname()}:{self.port}"
-        self.metrics.info.info({
-            "architecture": self.info.architecture, "model": self.info.model, "fingerprint": self.info.fingerprint,
-            "prefill_weights": self.info.prefill.weights, "decode_weights": self.info.decode.weights,
-            "prefill_kv": self.info.prefill.kv_cache, "decode_kv": self.info.decode.kv_cache,
-            "replica_id": self.info.replica_id,
-        })
+        self.metrics.info.info(announce.info_labels(self.info))
         await self._grpc.start()
         if self.http_port is not None:
             from jaxserve.server.openai_http import OpenAIFrontEnd  # FastAPI only when asked for
@@ -139,23 +140,11 @@ class Server:
             self.http_port = self.http.port
         if self.metrics_port is not None:
             self._http, _, self.metrics_port = self.metrics.serve_http(self.metrics_port, self.metrics_host)
-        self._log_started()
+        announce.log_listening(self)
         if self.group is not None:
             self.group.on_lost(lambda reason: loop.call_soon_threadsafe(self._on_replica_lost, reason))
+        self._warmup_started = time.perf_counter()
         self.engine_loop.start()
-
-    def _log_started(self) -> None:
-        log.info("listening on %s:%d (%s, %s; metrics %s; HTTP %s); warming up", self.host, self.port,
-                 "TLS" if self.credentials is not None else "plaintext",
-                 f"{len(self.keys)} API key(s)" if self.keys.enabled else "no API key", self.metrics_target,
-                 self.http_target or "off")
-        for phase in ("prefill", "decode"):
-            log.info("%s matmuls: %s", phase, getattr(self.info, phase).matmul_path)
-        m = self.info.memory
-        log.info("memory: weights %s B prefill, %s B decode, %s B resident; KV %s B = %d pages x %d tokens "
-                 "(%d B/token, %s tokens)", f"{m.weight_bytes_prefill:,}", f"{m.weight_bytes_decode:,}",
-                 f"{m.weight_bytes_resident:,}", f"{m.kv_bytes:,}", m.kv_pages, self.info.page_size,
-                 m.kv_bytes_per_token, f"{m.max_cached_tokens:,}")
 
     @property
     def target(self) -> str:
@@ -170,6 +159,10 @@ class Server:
     def metrics_target(self) -> str:
         return f"{self.metrics_host}:{self.metrics_port}" if self.metrics_port is not None else "off"
 
+    def _on_progress(self, done: int, total: int) -> None:  # event loop thread
+        """Warm-up progress (health stays NOT_SERVING): see ``Generations.warmup_progressed``."""
+        self.service.generations.warmup_progressed(done, total, self.llm.engine.programs)
+
     def _on_ready(self) -> None:  # event loop thread
         asyncio.ensure_future(self._become_ready())
 
@@ -179,8 +172,11 @@ class Server:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _SERVING)
         self.service.phase = "serving"
+        self.warmup_seconds = time.perf_counter() - self._warmup_started
         self.metrics.serving.set(1)
-        log.info("warm-up done: SERVING on %s", self.target)
+        done, total = self.service.generations.warmup_progress
+        log.info("warm-up %s: SERVING on %s", "done" if done == total else
+                 f"serviceable ({done}/{total} programs ready; the rest build while serving)", self.target)
         self._ready.set()
 
     def _on_failed(self, error: BaseException) -> None:  # event loop thread

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 from jaxserve.server.client_cli import register_client
 from jaxserve.server.group import add_group_args
@@ -64,6 +65,12 @@ def register_serve(sub) -> None:
                    help="devices of the mesh (default 1; a multi-process replica: every device of every process)")
     add_group_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--serve-while-warming", action="store_true",
+                   help="report SERVING once the programs that let any batch run are built (largest buckets "
+                        "first) and build the rest while serving; batches pad to built buckets meanwhile")
+    p.add_argument("--profile-startup", action="store_true",
+                   help="log where the start's time went: imports, weights, engine set-up and, per serving "
+                        "program and bucket, cache load / trace / lower / compile")
     from jaxserve.cli_args import add_engine_args
 
     add_engine_args(p.add_argument_group("engine (EngineConfig)"))
@@ -132,6 +139,7 @@ def _exit_now(signum, frame):
 
 
 def run_serve(args) -> int:
+    args.started = time.perf_counter()
     for sig in _SIGNALS:  # until _serve's event loop takes them over
         signal.signal(sig, _exit_now)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -151,7 +159,7 @@ def run_serve(args) -> int:
 
 def _run(args) -> tuple[int, bool]:
     from jaxserve.checkpoint.gguf import remove_stale_conversions
-    from jaxserve.cli_args import enable_compile_cache, engine_kwargs, ensure_cpu_devices
+    from jaxserve.cli_args import engine_kwargs, ensure_cpu_devices
     from jaxserve.server import auth, convert
 
     # Everything an operator can get wrong is checked before the (slow) model load.
@@ -166,14 +174,23 @@ def _run(args) -> tuple[int, bool]:
     group = replica_group.group_from_args(args)
     log.info("loading %s", args.model or "the default model")
     ensure_cpu_devices(replica_group.local_device_count(group, args.num_devices))
-    enable_compile_cache()
-    num_devices = replica_group.join(group, args.num_devices) if group is not None else args.num_devices or 1
+    t0 = time.perf_counter()
+    from jaxserve.cli_args import enable_compile_cache, with_program_cache
     from jaxserve.llm import LLM
+    from jaxserve.startup_profile import StartupProfile
 
+    profile = StartupProfile(args.started)
+    profile.add("imports (jax, jaxserve)", time.perf_counter() - t0)
+    if group is None:
+        kwargs = with_program_cache(engine_kwargs(args))
+    else:  # a multi-process replica keeps the jit path (no program cache): jax's own cache instead
+        enable_compile_cache()
+        kwargs = {**engine_kwargs(args), "program_cache": "off"}
+    num_devices = replica_group.join(group, args.num_devices) if group is not None else args.num_devices or 1
     kv_format = args.kv_format or {"prefill": "bf16", "decode": "fp8_e4m3"}.get(args.role)
     llm = LLM(args.model, dtype=args.dtype, kv_format=kv_format, num_devices=num_devices,
               keep_finished=0,  # each request's last output carries its completion
-              role=args.role, kv_handoff_format=args.kv_handoff_format, **engine_kwargs(args))
+              role=args.role, kv_handoff_format=args.kv_handoff_format, profile=profile, **kwargs)
     if group is not None and not group.is_leader:
         code = replica_group.follow(group, llm)
         return code, code == 0
@@ -212,7 +229,8 @@ async def _serve(args, llm, keys, credentials, leader=None) -> tuple[int, bool]:
                     metrics_host=args.metrics_host, credentials=credentials, keys=keys,
                     max_id_length=args.max_id_length, limits=args.limits, http_port=args.http_port,
                     http_tls=http_tls, served_model_name=args.served_model_name, kv_transport=args.kv_transport,
-                    handoff_ttl_s=args.handoff_ttl, pull_timeout_s=args.pull_timeout, group=leader)
+                    handoff_ttl_s=args.handoff_ttl, pull_timeout_s=args.pull_timeout, group=leader,
+                    serve_while_warming=args.serve_while_warming)
     await server.start()
     security = (f"{'TLS' if credentials is not None else 'plaintext'}, "
                 f"{f'{len(keys)} API key(s)' if keys.enabled else 'no API key'}")
@@ -234,6 +252,9 @@ async def _serve(args, llm, keys, credentials, leader=None) -> tuple[int, bool]:
             code = 1
         else:
             i = server.info
+            if args.profile_startup:
+                llm.profile.add("warm-up: build the serving programs", server.warmup_seconds)
+                log.info("%s", llm.profile.report(llm.engine.programs))
             held = i.prefill if i.role == "prefill" else i.decode  # the phase whose weights this worker holds
             print(f"jaxserve: SERVING on {server.target} ({i.architecture}, role {i.role}, weights "
                   f"{held.weights}, kv {held.kv_cache}, fingerprint {i.fingerprint[:12]})", flush=True)

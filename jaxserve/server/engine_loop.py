@@ -22,7 +22,7 @@ own id right after cancelling without ever receiving the old request's late even
 
 The loop uses the engine's public interface only: add_request, abort, step (whose outputs
 say when a request is admitted, what it produced and how it ended), has_unfinished,
-snapshot and warmup.
+snapshot and warmup (whose progress it hands to the event loop).
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ import time
 from typing import Callable
 
 from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.warmup import warm_in_background
 from jaxserve.server import errors
 
 log = logging.getLogger("jaxserve.server")
@@ -86,13 +87,17 @@ class _Live:
 class EngineLoop:
     def __init__(self, engine, metrics, loop: asyncio.AbstractEventLoop,
                  on_ready: Callable[[], None], on_failed: Callable[[BaseException], None],
-                 explain_error: Callable[[Exception], Exception] | None = None):
+                 explain_error: Callable[[Exception], Exception] | None = None,
+                 on_progress: Callable[[int, int], None] | None = None, serve_while_warming: bool = False):
         """explain_error(e): the error the requests in flight get when a step raises e (on
-        the engine thread; e.g. a multi-process replica's lost process behind a failed collective)."""
+        the engine thread; e.g. a multi-process replica's lost process behind a failed collective).
+        on_progress(done, total): warm-up progress, on the event loop. serve_while_warming: report
+        ready once any batch can run, the rest of warm-up building on a thread of its own."""
         self.engine = engine
+        self.serve_while_warming = serve_while_warming
         self.metrics = metrics
         self.loop = loop
-        self._on_ready, self._on_failed = on_ready, on_failed
+        self._on_ready, self._on_failed, self._on_progress = on_ready, on_failed, on_progress
         self._explain = explain_error or (lambda e: e)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}  # engine thread only
@@ -149,7 +154,10 @@ class EngineLoop:
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         try:
-            self.engine.warmup()
+            if self.serve_while_warming:
+                warm_in_background(self.engine, self._progress)
+            else:
+                self.engine.warmup(progress=self._progress)
         except BaseException as e:  # the server cannot serve: say so, never report SERVING
             log.exception("warm-up failed")
             self._post(self._on_failed, e)
@@ -163,6 +171,10 @@ class EngineLoop:
             self._sync()
             self._flush()
         self._reject_rest()
+
+    def _progress(self, done: int, total: int) -> None:  # warm-up (engine or compile threads)
+        if self._on_progress is not None:
+            self._post(self._on_progress, done, total)
 
     def _reject_rest(self) -> None:
         """After stop: nothing queued behind it may wait forever."""

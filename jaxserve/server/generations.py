@@ -26,12 +26,32 @@ class Generations:
         self.max_waiting = max_waiting
         self.max_num_seqs = max_num_seqs
         self.phase = "warming up"  # -> "serving" -> "draining"; or "failed"
+        self.warmup_progress = (0, 0)  # serving programs ready, of how many (set by the server)
         self.active: dict[str, RequestStream] = {}  # client request id -> stream (choice 0)
         self._seq = itertools.count()
 
+    def state(self) -> str:
+        """The phase as a client reads it: "warming up (12/40 programs ready)" during warm-up."""
+        done, total = self.warmup_progress
+        return f"{self.phase} ({done}/{total} programs ready)" if self.phase == "warming up" and total else self.phase
+
+    def warmup_progressed(self, done: int, total: int, programs) -> None:
+        """Record warm-up progress (``programs``: the engine's ProgramSet): for the UNAVAILABLE
+        message of early requests, the metrics, and the log (every tenth of the way)."""
+        before = self.warmup_progress[0]
+        self.warmup_progress = (done, total)
+        self.metrics.warmup_done.set(done)
+        self.metrics.warmup_total.set(total)
+        self.metrics.programs_compiled.set(programs.compiled)
+        self.metrics.programs_loaded.set(programs.loaded)
+        if done == total or done * 10 // total != before * 10 // total:
+            log.info("warming up: %d/%d serving programs ready (health NOT_SERVING)", done, total)
+
     def check_serving(self) -> None:
+        """Raises UNAVAILABLE (both fronts' message: the state, warm-up progress included)
+        unless serving."""
         if self.phase != "serving":
-            raise errors.unavailable(self.phase)
+            raise errors.unavailable(self.state())
 
     def submit(self, prompt_ids: list[int], params: list, request_id: str, session_id: str, owner: str,
                arrival: float, handoff: dict | None = None) -> RequestStream:

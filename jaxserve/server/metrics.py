@@ -46,6 +46,13 @@ class ServerMetrics:
                                      registry=r)
         self.compiles_after_warmup = Gauge("jaxserve_compiles_after_warmup",
                                            "Serving programs compiled after warm-up (should stay 0)", registry=r)
+        self.warmup_done = Gauge("jaxserve_warmup_programs_ready", "Serving programs built (loaded or compiled)",
+                                 registry=r)
+        self.warmup_total = Gauge("jaxserve_warmup_programs_total", "Serving programs warm-up builds", registry=r)
+        self.programs_compiled = Gauge("jaxserve_programs_compiled", "Serving programs XLA compiled at start-up",
+                                       registry=r)
+        self.programs_loaded = Gauge("jaxserve_programs_loaded", "Serving programs loaded from the program cache",
+                                     registry=r)
         self.serving = Gauge("jaxserve_serving", "1 when warmed up and accepting requests", registry=r)
         self.info = Info("jaxserve_model", "The served model and its formats", registry=r)
         # KV handoff (prefill and decode workers, jaxserve.server.handoff_service).
@@ -75,6 +82,8 @@ class ServerMetrics:
         self.kv_total.set(snap.kv_pages_total)
         self.running.set(snap.running)
         self.compiles_after_warmup.set(snap.compiles_after_warmup)
+        self.programs_compiled.set(snap.programs_compiled)
+        self.programs_loaded.set(snap.programs_loaded)
         if snap.integrity_checks != self._seen_checks:
             self.integrity_checks.inc(snap.integrity_checks - self._seen_checks)
             self.integrity_rows.inc(snap.integrity_rows - self._seen_rows)

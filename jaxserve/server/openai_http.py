@@ -124,9 +124,8 @@ class OpenAIFrontEnd:
         return owner
 
     async def health(self, request: Request):
-        phase = self.gens.phase
-        if phase != "serving":
-            return error_response(errors.unavailable(phase))
+        if self.gens.phase != "serving":
+            return error_response(errors.unavailable(self.gens.state()))
         return JSONResponse({"status": "serving", "model": self.model_name})
 
     async def models(self, request: Request):

@@ -138,7 +138,7 @@ def served(llm, cases, logprobs_reference):
     from jaxserve.server.app import ServerThread
 
     gate, real_warmup = threading.Event(), llm.engine.warmup
-    llm.engine.warmup = lambda: (gate.wait(120), real_warmup())
+    llm.engine.warmup = lambda **kw: (gate.wait(120), real_warmup(**kw))
     from jaxserve.server.limits import ServeLimits
 
     st = ServerThread(llm, max_waiting=MAX_WAITING, replica_id="test-replica", limits=ServeLimits(**LIMITS),

@@ -1,0 +1,177 @@
+"""Compiled programs by name, built ahead of time: loaded from the program cache on disk, or
+traced and lowered here and compiled in a thread pool (XLA compiles with the GIL released,
+so independent programs overlap where there are cores).
+
+A ``ProgramSpec`` names one program (``"decode/64x1"``) and gives the jitted function, example
+arguments (arrays or ``jax.ShapeDtypeStruct``; their shapes, dtypes and shardings are what
+it is compiled for) and its static keyword arguments. ``ProgramSet.build`` makes every spec
+callable (``get(name)``: a ``jax.stages.Compiled``, which raises rather than recompiles on
+arguments of another shape) and records, per program, where its time went (``timings``):
+cache load, trace, lower, compile. ``compiled`` counts XLA compilations, ``loaded`` cache
+hits; ``progress(done, total)`` is called as programs become ready.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import pickle
+import threading
+import time
+from typing import Callable
+
+import jax
+from jax import monitoring
+
+from jaxserve.program_cache import ProgramCache, program_key, runtime_parts
+
+log = logging.getLogger("jaxserve.programs")
+
+# Whether the compile running on this thread was served from jax's own persistent cache: on CPU
+# such an executable serializes incomplete (it fails to load: "Function ... not found"), so it
+# is used but never stored in the program cache.
+_thread = threading.local()
+
+
+def _on_jax_event(event: str, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _thread.jax_cache_hit = True
+
+
+monitoring.register_event_listener(_on_jax_event)
+
+
+@dataclasses.dataclass
+class ProgramSpec:
+    name: str
+    fn: Callable  # a jax.jit-wrapped function
+    args: tuple
+    static: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class ProgramTiming:
+    name: str
+    source: str = ""  # "cache" | "compiled"
+    load_s: float = 0.0  # reading and deserializing a cache entry (a rejected one included)
+    trace_s: float = 0.0
+    lower_s: float = 0.0
+    compile_s: float = 0.0  # in a worker thread: overlaps other programs' compiles
+    store_s: float = 0.0
+
+
+def signature(args) -> list:
+    """(shape, dtype, sharding) of every leaf: what a compiled program's inputs must match."""
+    def one(x):
+        sharding = getattr(x, "sharding", None)
+        committed = getattr(x, "committed", True) if not isinstance(x, jax.ShapeDtypeStruct) else True
+        return [list(x.shape), str(x.dtype), str(sharding) if sharding is not None and committed else None]
+    return [one(x) for x in jax.tree.leaves(args)]
+
+
+class ProgramSet:
+    def __init__(self, cache: ProgramCache | None, key_parts: dict, workers: int = 2, runtime: dict | None = None):
+        self.cache = cache
+        self.key_parts = dict(key_parts)
+        self.runtime = runtime  # the installation's key inputs (default: program_cache.runtime_parts())
+        self.workers = max(1, workers)
+        self._ready: dict[str, jax.stages.Compiled] = {}
+        self.timings: dict[str, ProgramTiming] = {}
+        self.compiled = 0
+        self.loaded = 0
+        self._lock = threading.Lock()
+
+    def get(self, name: str):
+        """The compiled program `name`, or None if it is not (yet) built."""
+        return self._ready.get(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._ready
+
+    def names(self) -> list[str]:
+        return list(self._ready)
+
+    def key(self, spec: ProgramSpec) -> tuple[str, dict]:
+        parts = {**self.key_parts, **(self.runtime or runtime_parts()), "program": spec.name,
+                 "static": sorted((k, repr(v)) for k, v in spec.static.items()), "args": signature(spec.args)}
+        return program_key(parts), parts
+
+    def build(self, specs: list[ProgramSpec], progress: Callable[[int, int], None] | None = None) -> None:
+        """Make every spec ready: cache hits first, then trace and lower each miss here (Python,
+        one at a time) while a pool compiles the ones already lowered, storing each as it lands."""
+        total, done = len(specs), sum(spec.name in self._ready for spec in specs)
+        if progress and done:
+            progress(done, total)
+        missed = []
+        for spec in specs:  # cache hits, one at a time (loading in a pool measured slower)
+            if spec.name in self._ready:
+                continue
+            key, parts = self.key(spec)
+            if self._load(spec, key):
+                done += 1
+                if progress:
+                    progress(done, total)
+            else:
+                missed.append((spec, key, parts))
+        if not missed:
+            return
+        with concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="jaxserve-compile") as pool:
+            futures = []
+            for spec, key, parts in missed:
+                t = self.timings.setdefault(spec.name, ProgramTiming(spec.name))
+                t0 = time.perf_counter()
+                traced = spec.fn.trace(*spec.args, **spec.static)
+                t1 = time.perf_counter()
+                lowered = traced.lower()
+                t.trace_s, t.lower_s = t1 - t0, time.perf_counter() - t1
+                futures.append(pool.submit(self._compile, spec, key, parts, lowered))
+            for fut in concurrent.futures.as_completed(futures):
+                fut.result()  # a failed compile fails the build
+                done += 1
+                if progress:
+                    progress(done, total)
+
+    def _load(self, spec: ProgramSpec, key: str) -> bool:
+        if self.cache is None:
+            return False
+        t0 = time.perf_counter()
+        payload = self.cache.load(key)
+        t = self.timings.setdefault(spec.name, ProgramTiming(spec.name))
+        if payload is None:
+            t.load_s = time.perf_counter() - t0
+            return False
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        serialized, in_tree, out_tree, device_ids = pickle.loads(payload)
+        by_id = {d.id: d for d in jax.devices()}
+        devices = [by_id[i] for i in device_ids]  # the key names the devices: they exist
+        self._ready[spec.name] = deserialize_and_load(serialized, in_tree, out_tree, execution_devices=devices)
+        t.load_s, t.source = time.perf_counter() - t0, "cache"
+        with self._lock:
+            self.loaded += 1
+        return True
+
+    def _compile(self, spec: ProgramSpec, key: str, parts: dict, lowered) -> None:
+        t = self.timings[spec.name]
+        t0 = time.perf_counter()
+        _thread.jax_cache_hit = False
+        compiled = lowered.compile()
+        from_jax_cache = _thread.jax_cache_hit
+        t.compile_s, t.source = time.perf_counter() - t0, "jax-cache" if from_jax_cache else "compiled"
+        with self._lock:
+            self.compiled += 1
+        self._ready[spec.name] = compiled
+        if from_jax_cache:
+            log.info("program cache: %s came from jax's compilation cache, whose executables do not serialize "
+                     "whole; not stored (turn jax's cache off to let the program cache keep it)", spec.name)
+        elif self.cache is not None:
+            t0 = time.perf_counter()
+            try:
+                from jax.experimental.serialize_executable import serialize
+
+                devices = [d.id for d in compiled.runtime_executable().local_devices()]
+                payload = pickle.dumps((*serialize(compiled), devices))
+                self.cache.store(key, payload, parts)
+            except (ValueError, NotImplementedError, OSError) as e:  # still served, just not cached
+                log.warning("program cache: could not store %s: %s", spec.name, e)
+            t.store_s = time.perf_counter() - t0
