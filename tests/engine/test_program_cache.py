@@ -51,13 +51,15 @@ class XlaCompiles:
 
 @pytest.fixture(scope="module", autouse=True)
 def without_jax_cache():
-    """jax's own persistent cache off here (tests turn it on): a program jax loads from it is
-    served but not stored (``jaxserve.programs``), which would leave these tests nothing to load."""
+    """jax's own caches off and empty here (tests turn the persistent one on): a program jax loads
+    from it, or hands back from memory after an earlier test compiled it, is served but not stored
+    (``jaxserve.programs``), which would leave these tests nothing to load."""
     from jax.experimental.compilation_cache import compilation_cache
 
     before = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()
+    jax.clear_caches()
     yield
     jax.config.update("jax_enable_compilation_cache", before)
     compilation_cache.reset_cache()
@@ -103,6 +105,7 @@ def test_a_changed_key_input_misses(first):
     keys = {s.key(spec)[0] for s in (same, other_jax, other_kv)}
     assert len(keys) == 3
     same.build([spec])
+    jax.clear_caches()  # as in another process: compiled afresh, not handed back from memory
     other_jax.build([spec])
     assert (same.loaded, same.compiled) == (1, 0)
     assert (other_jax.loaded, other_jax.compiled, other_jax.cache.misses) == (0, 1, 1)
