@@ -116,5 +116,6 @@ class ProgramsRunnerMixin:
 
 
 def _abstract(x):
-    """A committed array as the abstract input a program is built for (shape, dtype, placement)."""
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    """An input as the abstract input a program is built for: shape, dtype and, for a committed
+    array, its placement (a host array, e.g. a weight quantized on the host, has none: default)."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
