@@ -8,6 +8,7 @@ call with the worker's status (UNAVAILABLE when the worker went away).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 
@@ -97,11 +98,12 @@ def lost_or_raise(attempt: Attempt) -> WorkerError | None:
     return WorkerError(attempt.worker, grpc.StatusCode.CANCELLED, "cancelled by the router")
 
 
-async def call_unary(attempt: Attempt, call):
-    """Await a unary worker call registered in `attempt`; WorkerError on its failure."""
-    attempt.call = call
+@contextlib.contextmanager
+def worker_errors(attempt: Attempt):
+    """A worker call's failure as a WorkerError: its RpcError, or its cancellation when the
+    worker was taken out (a client's own cancellation goes on as is)."""
     try:
-        return await call
+        yield
     except grpc.RpcError as e:
         raise from_rpc_error(attempt, e) from None
     except asyncio.CancelledError:
@@ -109,6 +111,13 @@ async def call_unary(attempt: Attempt, call):
         if lost is None:
             raise
         raise lost from None
+
+
+async def call_unary(attempt: Attempt, call):
+    """Await a unary worker call registered in `attempt`; WorkerError on its failure."""
+    attempt.call = call
+    with worker_errors(attempt):
+        return await call
 
 
 async def relay_stream(attempt: Attempt, call, route: Route):
@@ -119,7 +128,7 @@ async def relay_stream(attempt: Attempt, call, route: Route):
     Raises WorkerError."""
     attempt.call = call
     held, shift = [], time.perf_counter() - route.arrival
-    try:
+    with worker_errors(attempt):
         async for msg in call:
             kind = msg.WhichOneof("event")
             if kind == "start":
@@ -132,13 +141,6 @@ async def relay_stream(attempt: Attempt, call, route: Route):
                 yield start
             held = []
             yield msg
-    except grpc.RpcError as e:
-        raise from_rpc_error(attempt, e) from None
-    except asyncio.CancelledError:
-        lost = lost_or_raise(attempt)
-        if lost is None:
-            raise
-        raise lost from None
 
 
 def shift_timing(timing: pb.Timing, seconds: float) -> None:
