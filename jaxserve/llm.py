@@ -226,3 +226,8 @@ class LLM:
         (serving never compiles afterwards); ``progress(done, total)`` follows the programs."""
         with self.profile.stage("warm-up: build the serving programs"):
             self.engine.warmup(progress)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (as vLLM's ``LLM.reset_prefix_cache``): the next prompt
+        computes every token again. False, with nothing changed, while a request holds pages."""
+        return self.engine.bm.reset_prefix_cache()

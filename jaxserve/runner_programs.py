@@ -35,16 +35,16 @@ class ProgramsRunnerMixin:
                 "row_tile": self.row_tile, "role": self.role}
 
     def _step_spec(self, phase: str, b: int, t: int) -> ProgramSpec:
-        """The checked step for one bucket; example inputs as ``step`` builds them (page tables
-        of padding rows all null); the committed ones abstract, with their placement."""
-        m = self.max_pages_per_seq
-        z, zm = jnp.zeros((b,), jnp.int32), jnp.zeros((b, m), jnp.int32)
-        inp = StepInput(tokens=jnp.zeros((b, t), jnp.int32), cached_lens=z, new_lens=z, page_table=zm)
+        """The checked step for one bucket; its inputs abstract (no array is made: each new
+        shape of ``jnp.zeros`` would compile a program of its own), the committed ones with
+        their placement."""
+        z, zm = _int32(b), _int32(b, self.max_pages_per_seq)
+        inp = StepInput(tokens=_int32(b, t), cached_lens=z, new_lens=z, page_table=zm)
         placed = jax.tree.map(_abstract, (self.phase_params[phase][0], self.kv, self.generation))
         return ProgramSpec(step_name(phase, b, t), self._program(phase), (*placed, inp, zm, z))
 
     def _updates_spec(self, size: int) -> ProgramSpec:
-        z = jnp.zeros((size,), jnp.int32)
+        z = _int32(size)
         return ProgramSpec(f"updates/{size}", self._apply_updates_fn(), (_abstract(self.generation), z, z))
 
     def _built(self, name: str, spec):
@@ -119,3 +119,8 @@ def _abstract(x):
     """An input as the abstract input a program is built for: shape, dtype and, for a committed
     array, its placement (a host array, e.g. a weight quantized on the host, has none: default)."""
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def _int32(*shape: int) -> jax.ShapeDtypeStruct:
+    """An int32 host input of the step (tokens, lengths, page tables): uncommitted, no placement."""
+    return jax.ShapeDtypeStruct(shape, jnp.int32)

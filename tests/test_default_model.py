@@ -71,13 +71,20 @@ def test_sampling_is_seeded(llm):
     assert list(a) == list(b)
 
 
-def test_cli_answers_with_text(capsys, model_dir):
+def test_cli_answers_with_text(capsys, model_dir, llm):
+    import re
+
     from jaxserve.cli import main
 
-    assert main(["generate", "What is the capital of France?", "--max-tokens", "16", "--kv-format", "float32"]) == 0
+    question = "What is the capital of France?"
+    assert main(["generate", question, "--max-tokens", "16", "--kv-format", "float32"]) == 0
     out = capsys.readouterr()
     assert "Paris" in out.out
     assert "decode" in out.err and "tok/s" in out.err
+    # The timed run prefills the whole prompt, as the untimed one did (the prefix cache is
+    # reset between them: a hit would time other work, in a chunk bucket not yet compiled).
+    prompt_len = len(llm.tokenizer.encode(llm.apply_chat_template(question)))
+    assert re.search(r"prefill (\d+) tok", out.err).group(1) == str(prompt_len)
 
 
 def test_cli_bad_input_exits_2(capsys):

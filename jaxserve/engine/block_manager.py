@@ -216,6 +216,17 @@ class BlockManager:
                 else:
                     self._free.append(page)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix page (they become free pages). Only when no sequence holds
+        pages: False, with nothing changed, while one does."""
+        if self._seqs:
+            return False
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._cached.clear()
+        self._hash_to_page.clear()
+        return True
+
     # ---- queries --------------------------------------------------------------------
 
     def page_table(self, seq_id: Hashable) -> list[int]:

@@ -155,6 +155,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def free(self, k, how):
         self._free(self._pick(k), how)
 
+    @rule(tokens=st.sampled_from(PREFIXES), drain=st.booleans())
+    def reset_prefix_cache(self, tokens, drain):
+        """Refused (nothing changed) while a sequence holds pages; else no page stays cached:
+        the next prompt hits nothing. ``drain`` finishes every live sequence first."""
+        for sid in list(self.tokens) if drain else []:
+            self._free(sid, "finish")
+        before = snapshot(self.bm)
+        if self.tokens:
+            assert self.bm.reset_prefix_cache() is False
+            assert snapshot(self.bm) == before
+            return
+        assert self.bm.reset_prefix_cache() is True
+        assert self.bm.num_evictable_pages == 0 and not any(self.bm.is_cached(p) for p in range(N_PAGES))
+        assert self.bm.num_free_pages == N_PAGES - 1
+        sid = self._allocate(tokens)
+        assert sid is not None and self.bm.num_cached_tokens(sid) == 0
+
     # ---- invariants -----------------------------------------------------------------
 
     @invariant()
@@ -370,3 +387,16 @@ def test_bad_arguments():
         bm.page_table("nope")
     with pytest.raises(ValueError):
         BlockManager(1, 2)
+
+
+def test_reset_prefix_cache_frees_cached_pages():
+    bm = BlockManager(8, 4)
+    tokens = list(range(1, 10))
+    bm.allocate_prompt("a", tokens)
+    bm.commit_full_pages("a", tokens)
+    assert bm.reset_prefix_cache() is False  # "a" holds pages
+    bm.free("a")
+    assert bm.num_evictable_pages == 2
+    assert bm.reset_prefix_cache() is True
+    assert bm.num_evictable_pages == 0 and bm.num_free_pages == 7
+    assert bm.allocate_prompt("b", tokens).num_cached_tokens == 0
