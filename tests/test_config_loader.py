@@ -140,3 +140,21 @@ def test_prequantized_checkpoint_is_refused_clearly(ckpt, tmp_path):
     (path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="fp8"):
         load_model(path)
+
+
+def test_weights_reach_the_device_in_one_transfer(ckpt, monkeypatch):
+    """One device transfer for all the plain weights of a small model (not one per tensor),
+    and each arrives with its checkpoint's values."""
+    import jax
+    from flax import nnx
+
+    calls = []
+    real = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: calls.append(len(jax.tree.leaves(x))) or real(x, *a, **k))
+    cfg, model = load_model(ckpt[0])
+    n_params = len(list(nnx.to_flat_state(nnx.state(model))))
+    assert calls == [n_params]
+    emb = np.asarray(model.embed[...])
+    assert emb.shape[0] >= 1 and not isinstance(model.embed[...], np.ndarray)
+    stored = load_file(str(ckpt[0] / "model.safetensors"))["model.embed_tokens.weight"]
+    np.testing.assert_array_equal(emb[: stored.shape[0]], stored)
