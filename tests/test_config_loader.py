@@ -142,19 +142,25 @@ def test_prequantized_checkpoint_is_refused_clearly(ckpt, tmp_path):
         load_model(path)
 
 
-def test_weights_reach_the_device_in_one_transfer(ckpt, monkeypatch):
-    """One device transfer for all the plain weights of a small model (not one per tensor),
-    and each arrives with its checkpoint's values."""
+@pytest.mark.parametrize("devices", [1, 4])
+def test_weights_reach_the_devices_in_one_transfer(ckpt, monkeypatch, devices):
+    """One transfer call for all the plain weights of a small model (not one per tensor), on
+    one device or over a mesh, and each arrives with its checkpoint's values and placement."""
     import jax
     from flax import nnx
 
+    from jaxserve.sharding import make_mesh
+
+    mesh = make_mesh(devices) if devices > 1 else None
     calls = []
     real = jax.device_put
     monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: calls.append(len(jax.tree.leaves(x))) or real(x, *a, **k))
-    cfg, model = load_model(ckpt[0])
-    n_params = len(list(nnx.to_flat_state(nnx.state(model))))
-    assert calls == [n_params]
-    emb = np.asarray(model.embed[...])
-    assert emb.shape[0] >= 1 and not isinstance(model.embed[...], np.ndarray)
+    cfg, model = load_model(ckpt[0], mesh=mesh)
+    monkeypatch.undo()
+    params = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(model))]
+    assert calls == [len(params)]
+    assert all(isinstance(p, jax.Array) for p in params)
+    if mesh is not None:  # the attention projections are split over the mesh
+        assert any(len(p.sharding.device_set) == devices and not p.sharding.is_fully_replicated for p in params)
     stored = load_file(str(ckpt[0] / "model.safetensors"))["model.embed_tokens.weight"]
-    np.testing.assert_array_equal(emb[: stored.shape[0]], stored)
+    np.testing.assert_array_equal(np.asarray(model.embed[...])[: stored.shape[0]], stored)
