@@ -53,9 +53,11 @@ class Warmup:
         self.decode, self.prefill = decode, prefill
         # Specs are made now, on the engine's thread, from the runner's current arrays.
         self.steps = runner.program_specs(decode, prefill)
-        # A decode step samples every row of its bucket (n = rows; fewer only when a row failed
-        # its check, and those pad up); a prefill step samples the rows that complete a prompt.
-        pairs = {(r, r) for r in decode} | {(r, n) for r in {b for b, _ in prefill} for n in pow2_buckets(1, r)}
+        # A step samples at most the rows of its bucket: fewer (a prefill step's rows that complete
+        # a prompt, a decode row that failed its check) pad up to the built sampler for all of them
+        # (``sample_sequences``), so one sampler per row count: a smaller one would save
+        # microseconds per step and cost seconds of compile at start.
+        pairs = {(r, r) for r in decode} | {(r, r) for r, _ in prefill}
         self.samplers = [(r, n, greedy) for r, n in sorted(pairs) for greedy in (True, False)]
         self.total = len(self.steps) + len(self.samplers)
 
