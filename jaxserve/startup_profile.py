@@ -40,7 +40,8 @@ class StartupProfile:
             return "\n".join(lines)
         rows = list(programs.timings.values())
         lines.append(f"warm-up programs: {len(rows)} ({programs.loaded} from the program cache, "
-                     f"{programs.compiled} compiled, {getattr(programs.cache, 'rejected', 0)} cache entries rejected)")
+                     f"{programs.compiled} compiled, {getattr(programs.cache, 'rejected', 0)} cache entries rejected; "
+                     f"loaded {programs.load_workers} and compiled {programs.workers} at a time)")
         head = f"  {'program':<28s} {'source':<9s} {'load':>7s} {'trace':>7s} {'lower':>7s} {'compile':>8s} {'store':>7s}"
         kinds: dict[str, list] = {}
         for t in rows:

@@ -33,16 +33,13 @@ from jaxserve.engine.warmup import step_bucket, warm_engine
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.kv_handoff import KvHandoffMixin
-from jaxserve.engine.sequence import KvImport, Sequence
+from jaxserve.engine.sequence import KvImport, Sequence, check_prompt
 from jaxserve.kv import memory as kv_memory
+from jaxserve.models.attention_backends import default_backend
 from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, TrackerStats, integrity_errors
 from jaxserve.program_cache import ProgramCache
 from jaxserve.programs import ProgramSet
 from jaxserve.runner import ModelRunner, bucket, pick_bucket, token_buckets
-
-
-def default_attention_backend() -> str:
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
 class LLMEngine(KvHandoffMixin):
@@ -64,7 +61,7 @@ class LLMEngine(KvHandoffMixin):
             model, fmt, config.num_pages, config.page_size, mesh, tracker,
             max_pages_per_seq=-(-self.max_model_len // config.page_size),
             prefill_weights=config.prefill_weights, decode_weights=config.decode_weights,
-            attention_backend=config.attention_backend or default_attention_backend(),
+            attention_backend=config.attention_backend or default_backend(),
             matmul_backend=config.matmul_backend, quantize_tied_head=config.quantize_tied_head,
             prefill_from_decode_weights=config.prefill_from_decode_weights, strict=config.strict_compiles,
             batch_invariant=config.batch_invariant,
@@ -132,7 +129,7 @@ class LLMEngine(KvHandoffMixin):
         if export_kv is not None:
             self.runner.handoff.layout(export_kv)  # ValueError for an unknown format
             params = dataclasses.replace(params, max_tokens=1)
-        ids = self._check_prompt(prompt_ids, params.max_tokens)
+        ids = check_prompt(prompt_ids, params.max_tokens, self.cfg.vocab_size, self.max_model_len, self.pool_tokens)
         if kv_import is not None:
             self._check_import(kv_import, ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -145,23 +142,6 @@ class LLMEngine(KvHandoffMixin):
         self.outputs.add(seq)
         self.scheduler.add(seq)
         return rid
-
-    def _check_prompt(self, prompt_ids, max_tokens: int) -> list[int]:
-        ids = [int(t) for t in prompt_ids]
-        if not ids:
-            raise ValueError("empty prompt")
-        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
-        total = len(ids) + max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
-                f"maximum context of {self.max_model_len} tokens"
-            )
-        if total > self.pool_tokens:
-            raise ValueError(f"prompt + max_tokens = {total} tokens exceeds the whole KV pool ({self.pool_tokens})")
-        return ids
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its pages; its final output (finish_reason "abort") comes
@@ -259,7 +239,7 @@ class LLMEngine(KvHandoffMixin):
         cached prefix, released afterwards). Only between requests."""
         if self.has_unfinished():
             raise RuntimeError("prompt_logprobs() cannot run while requests are in flight")
-        ids = self._check_prompt(token_ids, 0)
+        ids = check_prompt(token_ids, 0, self.cfg.vocab_size, self.max_model_len, self.pool_tokens)
         key = ("logprobs", next(self._ids))
         alloc = self.bm.allocate_prompt(key, ids, use_prefix_cache=False)
         try:

@@ -81,3 +81,23 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+def check_prompt(prompt_ids, max_tokens: int, vocab_size: int, max_model_len: int, pool_tokens: int) -> list[int]:
+    """The prompt as a list of ints, or ValueError naming what is wrong: empty, a token id
+    outside the vocabulary, or prompt + max_tokens past the context or the whole KV pool."""
+    ids = [int(t) for t in prompt_ids]
+    if not ids:
+        raise ValueError("empty prompt")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+    total = len(ids) + max_tokens
+    if total > max_model_len:
+        raise ValueError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
+            f"maximum context of {max_model_len} tokens"
+        )
+    if total > pool_tokens:
+        raise ValueError(f"prompt + max_tokens = {total} tokens exceeds the whole KV pool ({pool_tokens})")
+    return ids

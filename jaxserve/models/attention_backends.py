@@ -132,3 +132,9 @@ def get_backend(name: str, mesh=None):
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {tuple(BACKENDS)}, got {name!r}")
     return BACKENDS[name](mesh)
+
+
+def default_backend() -> str:
+    """The attention backend an engine takes when none is named: Pallas kernels on a GPU,
+    pure jnp (XLA) elsewhere."""
+    return "pallas" if jax.default_backend() == "gpu" else "xla"

@@ -195,6 +195,18 @@ def test_server_reports_warmup_progress(model, first):
         client.close()
 
 
+@pytest.mark.parametrize("arenas, load_workers", [(None, 2), ("4", 2), ("1", 1)])
+def test_loads_in_parallel_unless_malloc_has_one_arena(monkeypatch, arenas, load_workers):
+    """Cache hits load two at a time, except under MALLOC_ARENA_MAX=1, where one malloc lock
+    makes parallel loads slower than serial ones; compiles keep their workers."""
+    if arenas is None:
+        monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    else:
+        monkeypatch.setenv("MALLOC_ARENA_MAX", arenas)
+    p = ProgramSet(None, {}, workers=2)
+    assert (p.load_workers, p.workers) == (load_workers, 2)
+
+
 def test_startup_profile_reports_every_program(first):
     from jaxserve.startup_profile import StartupProfile
 
@@ -203,7 +215,7 @@ def test_startup_profile_reports_every_program(first):
     profile.add("weights", 1.25)
     text = profile.report(llm.engine.programs)
     assert "weights" in text and "1.25" in text
-    assert "9 (0 from the program cache, 9 compiled" in text
+    assert "9 (0 from the program cache, 9 compiled" in text and "at a time" in text
     for name in llm.engine.programs.names():  # one row per program, with its source
         assert any(line.split()[:2] == [name, "compiled"] for line in text.splitlines()), name
 
