@@ -45,6 +45,13 @@ def _on_jax_event(event: str, **kwargs) -> None:
 monitoring.register_event_listener(_on_jax_event)
 
 
+def jax_cache_on() -> bool:
+    """Whether jax's own persistent compilation cache is on in this process. On CPU an
+    executable it serves (loaded from disk, or handed back from memory later) serializes
+    incomplete: stored, it would fail at its first call ("Function ... not found")."""
+    return bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)
+
+
 def single_arena_malloc() -> bool:
     """Whether glibc's allocator runs one arena (``MALLOC_ARENA_MAX=1``, the setting that keeps
     XLA:CPU's large buffers from being page-faulted in on every call): every thread's malloc
@@ -103,6 +110,7 @@ class ProgramSet:
         self.runtime = runtime  # the installation's key inputs (default: program_cache.runtime_parts())
         self.workers = max(1, workers)
         self.load_workers = 1 if single_arena_malloc() else self.workers
+        self._told_jax_cache = False
         self._ready: dict[str, jax.stages.Compiled] = {}
         self.timings: dict[str, ProgramTiming] = {}
         self.compiled = 0
@@ -195,6 +203,14 @@ class ProgramSet:
         if from_jax_cache:
             log.info("program cache: %s came from jax's compilation cache, whose executables do not serialize "
                      "whole; not stored (turn jax's cache off to let the program cache keep it)", spec.name)
+        elif self.cache is not None and jax_cache_on():
+            # jax may also hand back from memory an executable it loaded from that cache earlier
+            # in the process, with no event to tell: nothing compiled here can be trusted whole.
+            if not self._told_jax_cache:
+                self._told_jax_cache = True
+                log.warning("program cache: jax's persistent compilation cache is on in this process; the "
+                            "executables it serves do not serialize whole, so no program is stored (turn it off "
+                            "to let the program cache keep them: jax_enable_compilation_cache=False)")
         elif self.cache is not None:
             t0 = time.perf_counter()
             try:

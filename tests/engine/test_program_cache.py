@@ -195,6 +195,25 @@ def test_server_reports_warmup_progress(model, first):
         client.close()
 
 
+def test_nothing_is_stored_while_jax_persistent_cache_is_on(model, tmp_path, caplog):
+    """With jax's own persistent cache on, an executable may come from it (or from memory, after
+    it did) and would not load whole: the program cache stores nothing and says why; the
+    programs still serve."""
+    cache, before = tmp_path / "programs", jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax"))
+    jax.config.update("jax_enable_compilation_cache", True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="jaxserve.programs"):
+            llm = LLM(model, kv_format="bf16", program_cache=str(cache), **CONFIG)
+            llm.warmup()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", False)
+        jax.config.update("jax_compilation_cache_dir", before)
+    assert llm.engine.programs.compiled == 9 and not list(cache.glob("*.program"))
+    assert sum("persistent compilation cache is on" in r.message for r in caplog.records) == 1
+    assert len(llm.generate(PROMPTS, max_tokens=3, ignore_eos=True)) == 2
+
+
 @pytest.mark.parametrize("arenas, load_workers", [(None, 2), ("4", 2), ("1", 1)])
 def test_loads_in_parallel_unless_malloc_has_one_arena(monkeypatch, arenas, load_workers):
     """Cache hits load two at a time, except under MALLOC_ARENA_MAX=1, where one malloc lock
