@@ -139,10 +139,10 @@ class ProgramSet:
         if progress and done:
             progress(done, total)
         todo = [(spec, *self.key(spec)) for spec in specs if spec.name not in self._ready]
-        missed = []
+        missed = [] if self.cache is not None else todo
         with concurrent.futures.ThreadPoolExecutor(self.load_workers, thread_name_prefix="jaxserve-load") as pool:
             # Cache hits first, in a pool: XLA links a loaded executable with the GIL released.
-            loads = [pool.submit(self._load, spec, key) for spec, key, _ in todo]
+            loads = [pool.submit(self._load, spec, key) for spec, key, _ in todo] if self.cache is not None else []
             for (spec, key, parts), fut in zip(todo, loads):
                 if fut.result():
                     done += 1
@@ -152,7 +152,8 @@ class ProgramSet:
                     missed.append((spec, key, parts))
         if not missed:
             return
-        with _gc_paused(), concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="jaxserve-compile") as pool:
+        compiles = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="jaxserve-compile")
+        with _gc_paused(), compiles as pool:
             futures = []
             for spec, key, parts in missed:  # in spec order (the caller's: largest first)
                 t = self.timings.setdefault(spec.name, ProgramTiming(spec.name))
@@ -169,8 +170,6 @@ class ProgramSet:
                     progress(done, total)
 
     def _load(self, spec: ProgramSpec, key: str) -> bool:  # on a pool thread
-        if self.cache is None:
-            return False
         t0 = time.perf_counter()
         payload = self.cache.load(key)
         t = self.timings.setdefault(spec.name, ProgramTiming(spec.name))
@@ -183,10 +182,9 @@ class ProgramSet:
         by_id = {d.id: d for d in jax.devices()}
         devices = [by_id[i] for i in device_ids]  # the key names the devices: they exist
         loaded = deserialize_and_load(serialized, in_tree, out_tree, execution_devices=devices)
-        with self._lock:
-            self._ready[spec.name] = loaded
         t.load_s, t.source = time.perf_counter() - t0, "cache"
         with self._lock:
+            self._ready[spec.name] = loaded
             self.loaded += 1
         return True
 
