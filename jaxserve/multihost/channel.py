@@ -131,8 +131,9 @@ class StepLeader:
 
     def wait_lost(self, timeout: float) -> str | None:
         """The reason the replica is lost, waiting up to ``timeout`` s for the verdict (None:
-        every process still answers). A collective that failed because a peer died usually
-        fails a moment before the step channel notices the death."""
+        every process still answers); it returns once the ``on_lost`` callbacks have run. A
+        collective that failed because a peer died usually fails a moment before the step
+        channel notices the death."""
         self._lost_event.wait(timeout)
         return self._lost
 
@@ -141,7 +142,6 @@ class StepLeader:
             if self._lost is not None or self._closing:
                 return
             self._lost = reason
-            self._lost_event.set()
             callbacks = list(self._callbacks)
         log.error("replica lost: %s", reason)
         for fn in callbacks:
@@ -149,6 +149,7 @@ class StepLeader:
                 fn(reason)
             except Exception:
                 log.exception("replica-lost callback failed")
+        self._lost_event.set()  # after the callbacks: whoever waits on the verdict finds them told
 
     def _read(self, pid: int) -> None:
         sock = self.peers[pid]
