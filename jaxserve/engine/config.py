@@ -63,6 +63,10 @@ class EngineConfig:
                                                  "(the decode workers' pool format; default fp8_e4m3)", type=str, cli=False)
     keep_finished: int = _field(1024, "finished requests the engine keeps answering completion(id) for (a server "
                                       "needs none: each request's last output carries its completion)", cli=False)
+    max_grammar_bytes: int = _field(65536, "largest structured-output grammar (JSON schema, regex, Lark) a "
+                                           "request may give, in bytes")
+    grammar_compile_ms: int = _field(2000, "bound on one grammar's compilation: the lexer work llguidance does in "
+                                           "about this many milliseconds; past it the request is refused")
     program_cache: str | None = _field(
         None, "directory of the compiled-program cache, so a restart with the same configuration compiles "
               "nothing ('off': none; default: none from Python, <cache>/programs from the command line)", type=str)
@@ -81,6 +85,8 @@ class EngineConfig:
             get_kv_format(self.kv_handoff_format)
         if self.compile_workers < 0:
             raise ValueError(f"compile_workers must be >= 0, got {self.compile_workers}")
+        if self.max_grammar_bytes < 1 or self.grammar_compile_ms < 1:
+            raise ValueError("max_grammar_bytes and grammar_compile_ms must be >= 1")
         if self.keep_finished < 0:
             raise ValueError("keep_finished must be >= 0")
         if self.num_pages < 2:

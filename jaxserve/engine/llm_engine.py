@@ -38,6 +38,7 @@ from jaxserve.kv import memory as kv_memory
 from jaxserve.models.attention_backends import default_backend
 from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, TrackerStats, integrity_errors
 from jaxserve.program_cache import ProgramCache
+from jaxserve.structured.constraints import Constraints
 from jaxserve.programs import ProgramSet
 from jaxserve.runner import ModelRunner, bucket, pick_bucket, token_buckets
 
@@ -73,6 +74,9 @@ class LLMEngine(KvHandoffMixin):
         eos = set(self.cfg.eos_token_id) | set(tokenizer.eos_token_ids if tokenizer is not None else [])
         self.eos_token_ids = frozenset(eos)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len, config.keep_finished)
+        # Structured outputs: grammars compiled against the tokenizer, masks into the sampler.
+        self.constraints = Constraints(tokenizer, self.cfg.vocab_size, self.eos_token_ids, config.max_grammar_bytes,
+                                       config.grammar_compile_ms)
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
         self._just_finished: list[Sequence] = []
@@ -139,6 +143,8 @@ class LLMEngine(KvHandoffMixin):
         # Any integer seed works: it is folded into the 31-bit range the PRNG key takes.
         seed = params.seed % 2**31 if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
         seq = Sequence(rid, ids, params, seed, export_kv=export_kv, kv_import=kv_import)
+        if params.structured is not None:  # compiled now: a grammar that cannot compile runs nothing
+            seq.grammar = self.constraints.start(params.structured)
         self.outputs.add(seq)
         self.scheduler.add(seq)
         return rid
@@ -190,6 +196,7 @@ class LLMEngine(KvHandoffMixin):
         decode = [s for s in sched.decode if not s.finished]
         if decode:
             rows = [(s, [s.output_ids[-1]], s.total_len - 1) for s in decode]
+            masks = self.constraints.prefetch(decode)  # on a worker thread while the device runs the step
             res = self._run("decode", rows, *step_bucket(self, "decode", bucket(len(rows)), 1))
             to_sample = []
             for i, s in enumerate(decode):
@@ -197,7 +204,7 @@ class LLMEngine(KvHandoffMixin):
                     s.num_computed += 1
                     self.bm.commit_full_pages(s.request_id, s.all_ids[: s.num_computed])
                     to_sample.append((i, s))
-            self._sample(res.logits, to_sample, events)
+            self._sample(res.logits, to_sample, events, masks)
         return self._collect(events, sched)
 
     def _collect(self, events, sched) -> list[RequestOutput]:
@@ -253,12 +260,13 @@ class LLMEngine(KvHandoffMixin):
         finally:
             self.bm.free(key)
 
-    def _sample(self, logits, rows: list[tuple[int, Sequence]], events) -> None:
+    def _sample(self, logits, rows: list[tuple[int, Sequence]], events, prefetched=None) -> None:
         if not rows:
             return
+        masks = self.constraints.rows([s for _, s in rows], prefetched)
         tokens, lp, top_ids, top_lp, n_lp = sample_sequences(
             logits, rows, self.cfg.vocab_size, self.config.batch_invariant, self.runner.programs,
-            build=not self.runner.warm)
+            build=not self.runner.warm, masks=masks)
         now = time.perf_counter()
         for j, (_, s) in enumerate(rows):
             if s.finished:
@@ -267,6 +275,8 @@ class LLMEngine(KvHandoffMixin):
             top = {int(a): float(c) for a, c in zip(top_ids[j, :n], top_lp[j, :n])} if n_lp else None
             events.setdefault(s.request_id, []).append(tok)
             reason = self.outputs.append(s, tok, float(lp[j]), top, now)
+            grammar_end = self.constraints.advance(s, tok) if s.grammar is not None else None
+            reason = reason or grammar_end
             if reason is not None:
                 self._finish(s, reason)
 

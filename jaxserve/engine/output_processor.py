@@ -66,7 +66,7 @@ class OutputProcessor:
         if self.tokenizer is not None:
             from jaxserve.tokenizer import IncrementalDetokenizer
 
-            seq.detok = IncrementalDetokenizer(self.tokenizer)
+            seq.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=seq.params.skip_special_tokens)
         if seq.params.stop:
             self._matchers[seq.request_id] = StopMatcher(seq.params.stop)
         self.requests[seq.request_id] = seq
@@ -82,9 +82,11 @@ class OutputProcessor:
         if s.params.logprobs is not None:
             s.logprobs.append((logprob, top))
         before = len(s.text)
-        s.text += s.detok.push(tok) if s.detok is not None else ""
         p = s.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+        stops = tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)
+        if s.detok is not None and not (stops and not p.skip_special_tokens):  # a kept special's text, not the EOS's
+            s.text += s.detok.push(tok)
+        if stops:
             return "stop"
         matcher = self._matchers.get(s.request_id)
         if matcher is not None and len(s.text) > before:

@@ -70,7 +70,7 @@ def _kept_draw(scaled, noise, top_k, top_p, min_p, lse_all, c: int):
 
 @functools.partial(jax.jit, static_argnames=("all_greedy", "penalties", "num_logprobs", "num_candidates", "per_row"))
 def sample_rows(
-    logits, rows, temperature, top_k, top_p, min_p, seeds, steps,
+    logits, rows, temperature, top_k, top_p, min_p, seeds, steps, mask=None,
     counts=None, seen=None, repetition=None, presence=None, frequency=None,
     *, all_greedy: bool, penalties: bool, num_logprobs: int, num_candidates: int = NUM_CANDIDATES,
     per_row: bool = False,
@@ -78,21 +78,24 @@ def sample_rows(
     """logits f32 [L, V] (a program's output); rows int32 [B]: which logits row each sample
     uses; per-row temperature/top_p/min_p f32 [B], top_k/seeds/steps int32 [B];
     counts int32 [B, V] (generated-token counts), seen bool [B, V] (prompt or generated),
-    repetition/presence/frequency f32 [B] (only with penalties=True). ``per_row``: one row at
+    repetition/presence/frequency f32 [B] (only with penalties=True); mask int32 [B, ceil(V/32)]:
+    the allowed tokens packed 32 to a word (bit t % 32 of word t // 32; all ones = no constraint,
+    leaving every result bitwise as without it). ``per_row``: one row at
     a time (batch-invariant log-probs: a [B, V] reduction's last bits depend on B).
 
     -> tokens int32 [B], logprob f32 [B], top_ids int32 [B, n], top_logprobs f32 [B, n].
     """
     batch = functools.partial(_sample_batch, all_greedy=all_greedy, penalties=penalties,
                               num_logprobs=num_logprobs, num_candidates=num_candidates)
-    args = (logits[rows], temperature, top_k, top_p, min_p, seeds, steps, counts, seen, repetition, presence, frequency)
+    args = (logits[rows], temperature, top_k, top_p, min_p, seeds, steps, mask, counts, seen, repetition, presence,
+            frequency)
     if not per_row:
         return batch(*args)
     one = lambda a: jax.tree.map(lambda x: x[0], batch(*jax.tree.map(lambda x: x[None], a)))  # noqa: E731
     return jax.lax.map(one, args)
 
 
-def _sample_batch(logits, temperature, top_k, top_p, min_p, seeds, steps, counts, seen, repetition, presence,
+def _sample_batch(logits, temperature, top_k, top_p, min_p, seeds, steps, mask, counts, seen, repetition, presence,
                   frequency, *, all_greedy: bool, penalties: bool, num_logprobs: int, num_candidates: int):
     raw_lp = jax.nn.log_softmax(logits, axis=-1)
     x = logits
@@ -100,6 +103,8 @@ def _sample_batch(logits, temperature, top_k, top_p, min_p, seeds, steps, counts
         r = repetition[:, None]
         x = jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
         x = x - presence[:, None] * (counts > 0) - frequency[:, None] * counts
+    if mask is not None:  # a grammar's allowed tokens (structured outputs): the others can never be drawn
+        x = jnp.where(unpack_mask(mask, x.shape[-1]), x, -jnp.inf)
     greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
     if all_greedy:
         tokens = greedy
@@ -131,6 +136,16 @@ def _sample_batch(logits, temperature, top_k, top_p, min_p, seeds, steps, counts
     return tokens, logprob, top_ids.astype(jnp.int32), top_lp
 
 
+def unpack_mask(mask, v: int):
+    """int32 [B, W] packed bits -> bool [B, v] (token t allowed: bit t % 32 of word t // 32)."""
+    bits = jnp.right_shift(mask[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(mask.shape[0], -1)[:, :v].astype(bool)
+
+
+def mask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
 def sampler_name(rows: int, n: int, greedy: bool, per_row: bool = False) -> str:
     """The ProgramSet name of the plain (no penalties, no logprobs) sampler for logits [rows, V]
     and n sampled rows (``per_row``: the batch-invariant variant, a program of its own)."""
@@ -143,14 +158,17 @@ def sampler_spec(logits_sharding, rows: int, n: int, vocab_size: int, greedy: bo
 
     f32, i32 = np.zeros(n, np.float32), np.zeros(n, np.int32)
     logits = jax.ShapeDtypeStruct((rows, vocab_size), jnp.float32, sharding=logits_sharding)
+    mask = np.full((n, mask_words(vocab_size)), -1, np.int32)
     return ProgramSpec(sampler_name(rows, n, greedy, per_row), sample_rows,
-                       (logits, i32, f32, i32, np.ones(n, np.float32), f32, i32, i32),
+                       (logits, i32, f32, i32, np.ones(n, np.float32), f32, i32, i32, mask),
                        dict(all_greedy=greedy, penalties=False, num_logprobs=0, per_row=per_row))
 
 
-def sample_sequences(logits, rows, vocab_size: int, per_row: bool = False, programs=None, build: bool = False):
+def sample_sequences(logits, rows, vocab_size: int, per_row: bool = False, programs=None, build: bool = False,
+                     masks=None):
     """Sample one token for each (logits row index, Sequence) in ``rows`` with its own
-    parameters (``per_row``: batch-invariant, see sample_rows); -> numpy (tokens, logprobs,
+    parameters (``per_row``: batch-invariant, see sample_rows) and allowed tokens (``masks``:
+    int32 [len(rows), ceil(V/32)] packed, or None: all allowed); -> numpy (tokens, logprobs,
     top ids, top logprobs, top-n bucket). ``programs`` (a ProgramSet) supplies the ahead-of-time
     built plain samplers; with ``build`` a missing one is built into it now (before warm-up)."""
     b = _bucket(len(rows))
@@ -166,6 +184,9 @@ def sample_sequences(logits, rows, vocab_size: int, per_row: bool = False, progr
         idx[j] = i
         temp[j], top_p[j], min_p[j], top_k[j] = p.temperature, p.top_p, p.min_p, p.top_k
         seeds[j], steps[j] = s.seed, len(s.output_ids)
+    mask = np.full((b, mask_words(vocab_size)), -1, np.int32)  # always an input: one program either way
+    if masks is not None:
+        mask[: len(rows)] = masks
     penalties = any(s.params.uses_penalties for _, s in rows)
     extra = _penalty_inputs(rows, b, vocab_size) if penalties else {}
     n_lp = max((s.params.logprobs or 0) for _, s in rows)
@@ -177,9 +198,9 @@ def sample_sequences(logits, rows, vocab_size: int, per_row: bool = False, progr
             programs.build([sampler_spec(logits.sharding, logits.shape[0], b, vocab_size, greedy, per_row)])
         built = programs.get(name)
     if built is not None:
-        out = built(logits, idx, temp, top_k, top_p, min_p, seeds, steps)
+        out = built(logits, idx, temp, top_k, top_p, min_p, seeds, steps, mask)
     else:
-        out = sample_rows(logits, idx, temp, top_k, top_p, min_p, seeds, steps, **extra,
+        out = sample_rows(logits, idx, temp, top_k, top_p, min_p, seeds, steps, mask, **extra,
                           all_greedy=greedy, penalties=penalties, num_logprobs=n_lp, per_row=per_row)
     return (*map(np.asarray, out), n_lp)
 

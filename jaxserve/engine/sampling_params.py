@@ -39,6 +39,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings (not included in the returned text)
     ignore_eos: bool = False
     logprobs: int | None = None  # return the sampled token's logprob and the top-n alternatives
+    # A grammar the output must follow (jaxserve.structured.StructuredOutput: JSON schema, any
+    # JSON object, regex, Lark), enforced by a token mask in the sampler.
+    structured: object = None
+    skip_special_tokens: bool = True  # False: special tokens' text stays in the output (tool-call markers)
 
     MAX_LOGPROBS = 20
 
@@ -87,6 +91,12 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= self.MAX_LOGPROBS
         ):
             bad("logprobs", f"None or an integer in [0, {self.MAX_LOGPROBS}]")
+
+        if self.structured is not None:
+            from jaxserve.structured.spec import StructuredOutput
+
+            if not isinstance(self.structured, StructuredOutput):
+                bad("structured", "a jaxserve.structured.StructuredOutput or None")
 
     @property
     def greedy(self) -> bool:

@@ -64,6 +64,7 @@ class Sequence:
     export_kv: str | None = None  # KV handoff, sending side: the format to export the prompt's pages in
     kv_export: object = None  # ... the exported KvPayload, once the first token is sampled
     kv_import: KvImport | None = None  # KV handoff, receiving side: pages to map at admission
+    grammar: object = None  # jaxserve.structured.constraints.GrammarState of a constrained request
 
     @property
     def all_ids(self) -> list[int]:

@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from jaxserve.engine.sampler import sample_rows, sampler_spec
+from jaxserve.engine.sampler import mask_words, sample_rows, sampler_spec
 from jaxserve.buckets import pow2_buckets, step_name
 
 log = logging.getLogger("jaxserve.engine")
@@ -112,9 +112,10 @@ def warm_engine(engine, progress: Callable[[int, int], None] | None = None,
         for rows in sorted(set(decode) | {b for b, _ in prefill}):
             for n in pow2_buckets(1, rows):
                 f32, i32 = np.zeros(n, np.float32), np.zeros(n, np.int32)
+                mask = np.full((n, mask_words(engine.cfg.vocab_size)), -1, np.int32)
                 for greedy in (True, False):
                     sample_rows(np.zeros((rows, engine.cfg.vocab_size), np.float32), i32, f32, i32,
-                                np.ones(n, np.float32), f32, i32, i32, all_greedy=greedy, penalties=False,
+                                np.ones(n, np.float32), f32, i32, i32, mask, all_greedy=greedy, penalties=False,
                                 num_logprobs=0, per_row=config.batch_invariant)
         handoff_then_serve()
     runner.warm = True
