@@ -149,6 +149,11 @@ class LLMEngine(KvHandoffMixin):
         self.scheduler.add(seq)
         return rid
 
+    def check_structured(self, spec) -> None:
+        """Raise ValueError naming the problem if the grammar ``spec`` (a StructuredOutput)
+        cannot compile; compiled once, so the request that follows reuses it. Thread-safe."""
+        self.constraints.compiler.check(spec)
+
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its pages; its final output (finish_reason "abort") comes
         from the next ``step()``. False if unknown or already finished."""

@@ -66,7 +66,8 @@ class Server:
                  credentials=None, keys: ApiKeys | None = None, max_id_length: int = convert.MAX_ID_LENGTH,
                  limits: ServeLimits | None = None, http_port: int | None = None, http_tls: HttpTls | None = None,
                  served_model_name: str | None = None, kv_transport: str = "grpc", handoff_ttl_s: float = 30.0,
-                 pull_timeout_s: float = 10.0, group=None, serve_while_warming: bool = False):
+                 pull_timeout_s: float = 10.0, group=None, serve_while_warming: bool = False,
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         convert.check_id_options(max_id_length, replica_id)
@@ -91,6 +92,7 @@ class Server:
         self._grpc = self._http = self.service = self.engine_loop = self.health = None
         self.http_port, self.http_tls, self.http = http_port, http_tls, None
         self.served_model_name = served_model_name or self.info.model or "jaxserve"
+        self.agent_parsers = dict(tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
 
     async def start(self) -> None:
         """Bind and start answering (health NOT_SERVING); warm-up runs on the engine thread
@@ -134,7 +136,7 @@ class Server:
         if self.http_port is not None:
             from jaxserve.server.openai_http import OpenAIFrontEnd  # FastAPI only when asked for
 
-            self.http = HttpServer(OpenAIFrontEnd(self.service, self.served_model_name).app, self.host,
+            self.http = HttpServer(OpenAIFrontEnd(self.service, self.served_model_name, **self.agent_parsers).app, self.host,
                                    self.http_port, self.http_tls)
             await self.http.start()
             self.http_port = self.http.port

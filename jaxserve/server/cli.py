@@ -37,6 +37,12 @@ def register_serve(sub) -> None:
                         "(0 = pick a free one; default off)")
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the HTTP API (default: the checkpoint's directory name)")
+    p.add_argument("--tool-call-parser", default=None, choices=("kimi_k2", "glm45", "glm47", "hermes"),
+                   help="the format the model writes tool calls in (default: chosen from the checkpoint's "
+                        "architecture and chat template; hermes-style JSON for others)")
+    p.add_argument("--reasoning-parser", default=None, choices=("think", "none"),
+                   help="split <think>...</think> into reasoning_content (default: think when the chat "
+                        "template has it)")
     p.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (0 = free one, -1 = off)")
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address of the metrics endpoint (plain HTTP, no authentication): loopback unless "
@@ -230,7 +236,8 @@ async def _serve(args, llm, keys, credentials, leader=None) -> tuple[int, bool]:
                     max_id_length=args.max_id_length, limits=args.limits, http_port=args.http_port,
                     http_tls=http_tls, served_model_name=args.served_model_name, kv_transport=args.kv_transport,
                     handoff_ttl_s=args.handoff_ttl, pull_timeout_s=args.pull_timeout, group=leader,
-                    serve_while_warming=args.serve_while_warming)
+                    serve_while_warming=args.serve_while_warming, tool_call_parser=args.tool_call_parser,
+                    reasoning_parser=args.reasoning_parser)
     await server.start()
     security = (f"{'TLS' if credentials is not None else 'plaintext'}, "
                 f"{f'{len(keys)} API key(s)' if keys.enabled else 'no API key'}")

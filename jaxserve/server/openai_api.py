@@ -8,15 +8,15 @@ Pure functions (no server state); anything wrong with a body raises ``ServeError
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.server import convert, errors
+from jaxserve.server import convert, errors, openai_agents
 
 # Fields OpenAI defines that jaxserve does not implement: a request that sets one is refused
 # rather than silently served without it.
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "suffix",
-               "best_of", "audio", "modalities", "prediction")
+UNSUPPORTED = ("functions", "function_call", "logit_bias", "suffix", "best_of", "audio", "modalities", "prediction")
 # Sampling fields beyond OpenAI's that vLLM and SGLang accept in the body as well.
 EXTRA_SAMPLING = {"top_k": int, "min_p": float, "repetition_penalty": float, "ignore_eos": bool}
 _TYPES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
@@ -38,12 +38,14 @@ class Parsed:
     logprobs: int | None  # top alternatives per token (0: the sampled token's only); None: off
     session_id: str
     stop: list[str]
+    # Structured outputs, tools, template kwargs (jaxserve.server.openai_agents).
+    agent: openai_agents.AgentRequest = dataclasses.field(default_factory=openai_agents.AgentRequest)
 
     @property
     def text(self) -> str:
         """What gets tokenized (for the --max-prompt-bytes check)."""
         if self.messages is not None:
-            return "".join(m["content"] for m in self.messages)
+            return "".join(m["content"] for m in self.messages) + (json.dumps(self.agent.tools) if self.agent.tools else "")
         return self.prompt if isinstance(self.prompt, str) else ""
 
     def params(self, prompt_len: int, max_context: int, max_n: int) -> list[SamplingParams]:
@@ -109,7 +111,7 @@ def _common(body: dict, chat: bool) -> dict:
     options = _get(body, "stream_options", dict, {})
     return dict(chat=chat, model=model, sampling=sampling, max_tokens=max_tokens, n=_get(body, "n", int, 1),
                 stream=_get(body, "stream", bool, False), include_usage=bool(options.get("include_usage")),
-                session_id=_get(body, "session_id", str, ""), stop=stop)
+                session_id=_get(body, "session_id", str, ""), stop=stop, agent=openai_agents.parse(body, chat))
 
 
 def parse_chat(body: dict) -> Parsed:
@@ -119,7 +121,7 @@ def parse_chat(body: dict) -> Parsed:
         raise errors.invalid_argument("messages must be a list of {role, content} objects", "messages")
     messages = [dict(m, content=_content(m.get("content"), i)) for i, m in enumerate(messages)]
     try:
-        messages = convert.check_messages(messages)
+        messages = openai_agents.check_messages(messages)
     except errors.ServeError as e:
         raise errors.invalid_argument(e.message, "messages") from None
     logprobs = None

@@ -21,7 +21,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from jaxserve.agents.message import MessageStream, message
 from jaxserve.server import convert, errors
+from jaxserve.server import openai_agents as agents
 from jaxserve.server import openai_api as api
 from jaxserve.server.errors import ServeError
 from jaxserve.server.generations import choice_events, terminal
@@ -99,8 +101,12 @@ async def until_disconnect(receive) -> None:
 class OpenAIFrontEnd:
     """The HTTP routes over a ``JaxServeService`` (its generations, limits, keys, tokenizer)."""
 
-    def __init__(self, service, model_name: str):
+    def __init__(self, service, model_name: str, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None):
         self.service, self.gens = service, service.generations
+        cfg = service.llm.cfg
+        self.agents = agents.AgentFront(service.llm.tokenizer, cfg.architecture, cfg.model_type, tool_call_parser,
+                                        reasoning_parser)
         self.model_name = model_name
         self.created = api.now()
         self.fingerprint = "jaxserve-" + service.info.fingerprint[:12]
@@ -159,7 +165,11 @@ class OpenAIFrontEnd:
             self.gens.check_serving()
             check_stop(req.stop, req.sampling["stop_token_ids"], self.service.limits)
             check_text(req.text, self.service.limits)
-            ids = await self._prompt_ids(req)
+            ids, prompt_text = await self._prompt_ids(req)
+            plan = self.agents.plan(req.chat, req.agent, prompt_text)
+            req.sampling.update(plan.sampling())
+            if plan.structured is not None:  # a grammar that cannot compile is refused before anything runs
+                await self._check_grammar(req, plan.structured)
             info = self.service.info
             params = req.params(len(ids), info.max_context, info.max_num_seqs)
             if req.stream:
@@ -182,8 +192,8 @@ class OpenAIFrontEnd:
                 self.service.slots.release(peer)
                 self.gens.finish(stream, label, state["outcome"])
 
-            return EventStream(self._events(req, stream, state), headers, close)
-        work = asyncio.ensure_future(self._collect(req, stream, label))
+            return EventStream(self._events(req, stream, state, plan), headers, close)
+        work = asyncio.ensure_future(self._collect(req, stream, label, plan))
         watcher = asyncio.ensure_future(until_disconnect(request.receive))
         try:
             await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -205,13 +215,25 @@ class OpenAIFrontEnd:
         except (ValueError, UnicodeDecodeError) as e:
             raise errors.invalid_argument(f"the body is not valid JSON: {e}") from None
 
-    async def _prompt_ids(self, req) -> list[int]:
+    async def _prompt_ids(self, req) -> tuple[list[int], str]:
+        """-> (prompt ids, the prompt's text: "" for ids)."""
         tok = self.service.llm.tokenizer
         if req.messages is not None:
-            return await self.service.off_loop(req.text, convert.encode_chat, tok, req.messages)
+            if tok is None:
+                raise errors.failed_precondition("this model has no tokenizer: chat messages need the model's "
+                                                 "tokenizer and chat template")
+            text = await self.service.off_loop(req.text, self.agents.render, req.messages, req.agent)
+            return await self.service.off_loop(text, convert.encode_text, tok, text, False), text
         if isinstance(req.prompt, str):
-            return await self.service.off_loop(req.prompt, convert.encode_text, tok, req.prompt, False)
-        return list(req.prompt)
+            return await self.service.off_loop(req.prompt, convert.encode_text, tok, req.prompt, False), req.prompt
+        return list(req.prompt), ""
+
+    async def _check_grammar(self, req, spec) -> None:
+        try:
+            await asyncio.to_thread(self.service.llm.engine.check_structured, spec)
+        except ValueError as e:
+            param = req.agent.field if spec.kind != "grammar" or req.agent.structured is not None else "tools"
+            raise errors.invalid_argument(str(e), param) from None
 
     def _logprobs(self, req, token_ids, logprobs, offset: int):
         if req.logprobs is None or logprobs is None:
@@ -220,10 +242,18 @@ class OpenAIFrontEnd:
             return {"content": self.text_of.chat_logprobs(token_ids, logprobs)}
         return self.text_of.completion_logprobs(token_ids, logprobs, offset)
 
+    def _parsed_chunks(self, req, stream, i: int, deltas: list[dict], lp):
+        """One chunk per parsed delta (the token log-probs ride on the first; alone if none)."""
+        if not deltas and lp is not None:
+            deltas = [{"content": ""}]
+        for j, d in enumerate(deltas):
+            yield dict(self._envelope(req, stream, chunk=True),
+                       choices=[{"index": i, "delta": d, "logprobs": lp if j == 0 else None, "finish_reason": None}])
+
     def _envelope(self, req, stream, chunk: bool) -> dict:
         return api.envelope(req, stream.request_id, self.model_name, api.now(), self.fingerprint, chunk)
 
-    async def _collect(self, req, stream, label: str) -> tuple[dict, int]:
+    async def _collect(self, req, stream, label: str, plan) -> tuple[dict, int]:
         """The whole response -> (body, HTTP status); the outcome is counted here."""
         outcome = "internal"
         try:
@@ -240,6 +270,11 @@ class OpenAIFrontEnd:
             body = self._envelope(req, stream, chunk=False)
             body["choices"] = [api.choice(req, i, texts[i], ends[i][0], self._logprobs(req, ids[i], lps[i], 0))
                                for i in range(n)]
+            if plan.parser is not None:  # content, reasoning and tool calls from the text
+                for i, ch in enumerate(body["choices"]):
+                    ch["message"] = message(plan.parser.parse(texts[i], final=True), agents.call_ids(stream.request_id, i))
+                    if ch["message"].get("tool_calls") and ch["finish_reason"] == "stop":
+                        ch["finish_reason"] = "tool_calls"
             first = ends[0][1]
             body["usage"] = api.usage(first.prompt_tokens, sum(e[1].completion_tokens for e in ends),
                                       first.cached_tokens)
@@ -253,11 +288,13 @@ class OpenAIFrontEnd:
         finally:
             self.gens.finish(stream, label, outcome)
 
-    async def _events(self, req, stream, state: dict):
+    async def _events(self, req, stream, state: dict, plan):
         """The SSE body: chunks per choice, a usage chunk if asked, then ``data: [DONE]``;
         state["outcome"]: how it ended (the response's on_close counts it)."""
         n = 1 + len(stream.choices)
         prompt, cached, completion, offsets = [0] * n, [0] * n, [0] * n, [0] * n
+        parsed = [MessageStream(plan.parser, agents.call_ids(stream.request_id, i)) for i in range(n)] \
+            if plan.parser is not None else None
         try:
             async for i, ev in choice_events(stream):
                 out = self._envelope(req, stream, chunk=True)
@@ -269,6 +306,10 @@ class OpenAIFrontEnd:
                 elif ev[0] == "delta":
                     lp = self._logprobs(req, ev[1], ev[3], offsets[i])
                     offsets[i] += len(ev[2])
+                    if parsed is not None:  # content / reasoning / tool-call deltas of the text
+                        for chunk in self._parsed_chunks(req, stream, i, parsed[i].push(ev[2]), lp):
+                            yield sse(chunk)
+                        continue
                     if not ev[2] and lp is None:
                         continue
                     out["choices"] = [api.chunk_choice(req, i, ev[2], None, lp)]
@@ -277,6 +318,10 @@ class OpenAIFrontEnd:
                     if i == 0:
                         state["outcome"] = reason
                     completion[i] = usage.completion_tokens
+                    if parsed is not None:
+                        for chunk in self._parsed_chunks(req, stream, i, parsed[i].finish(), None):
+                            yield sse(chunk)
+                        reason = "tool_calls" if parsed[i].has_calls and reason == "stop" else reason
                     out["choices"] = [api.chunk_choice(req, i, None if req.chat else "", reason, None)]
                 yield sse(out)
             if req.include_usage:
