@@ -111,6 +111,8 @@ class LLMEngine(KvHandoffMixin):
             integrity_mismatches=dict(st.mismatches_by_cause), compiles_after_warmup=self.runner.compiles_after_warmup,
             preemptions=self.scheduler.num_preemptions,
             programs_compiled=self.programs.compiled, programs_loaded=self.programs.loaded,
+            constraints=dict(dataclasses.asdict(self.constraints.stats),
+                             compile_seconds=self.constraints.compile_seconds()),
         )
 
     def add_step_observer(self, fn: Callable[[StepRecord], None]) -> Callable[[], None]:

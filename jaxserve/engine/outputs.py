@@ -82,6 +82,9 @@ class EngineSnapshot:
     preemptions: int  # since start
     programs_compiled: int = 0  # serving programs XLA compiled for this engine (warm-up, or first use before it)
     programs_loaded: int = 0  # serving programs loaded from the program cache instead
+    # Structured outputs: ConstraintStats' counters (requests, rejected, mask_rows, mask_seconds,
+    # mask_steps, invalid_outputs, grammar_stops) and every grammar compilation's seconds.
+    constraints: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

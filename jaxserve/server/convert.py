@@ -65,10 +65,25 @@ def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
         kw["ignore_eos"] = stop.ignore_eos
     kw["stop"] = tuple(stop.stop)
     kw["stop_token_ids"] = tuple(stop.stop_token_ids)
+    if req.HasField("structured"):
+        kw["structured"] = structured_output(req.structured)
     try:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as e:
         raise errors.invalid_argument(str(e)) from e
+
+
+def structured_output(so: pb.StructuredOutput):
+    """The proto's grammar -> a StructuredOutput (INVALID_ARGUMENT when none is set)."""
+    from jaxserve.structured.spec import StructuredOutput
+
+    kind = so.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not so.json_object):
+        raise errors.invalid_argument("structured: set one of json_schema, json_object, regex, grammar")
+    try:
+        return StructuredOutput(kind, "" if kind == "json_object" else getattr(so, kind))
+    except ValueError as e:
+        raise errors.invalid_argument(f"structured: {e}") from None
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:

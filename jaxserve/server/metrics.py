@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
+from jaxserve.server.agent_metrics import AgentMetrics
+
 # Latency buckets from sub-millisecond decode steps on a GPU to multi-second CPU prefills.
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -68,11 +70,11 @@ class ServerMetrics:
                                          buckets=_LATENCY, registry=r)
         self.handoff_failures = Counter("jaxserve_kv_handoff_failures", "KV handoffs refused or failed, by cause",
                                         ["cause"], registry=r)
+        self.agents = AgentMetrics(r)  # structured outputs and tool calls
         for cause in ("stale_generation", "out_of_range_page", "page_not_owned"):
             self.integrity_mismatches.labels(cause)  # export zeros, so rate() works from the start
         self._seen_mismatches: dict[str, int] = {}
-        self._seen_checks = 0
-        self._seen_rows = 0
+        self._seen_checks = self._seen_rows = 0
 
     def sync_engine(self, snap) -> None:
         """Engine thread, after each step, from ``LLMEngine.snapshot()``: KV gauges and the
@@ -88,6 +90,7 @@ class ServerMetrics:
             self.integrity_checks.inc(snap.integrity_checks - self._seen_checks)
             self.integrity_rows.inc(snap.integrity_rows - self._seen_rows)
             self._seen_checks, self._seen_rows = snap.integrity_checks, snap.integrity_rows
+        self.agents.sync(snap.constraints)
         for cause, n in snap.integrity_mismatches.items():
             seen = self._seen_mismatches.get(cause, 0)
             if n != seen:

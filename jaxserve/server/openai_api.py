@@ -12,7 +12,7 @@ import json
 import time
 
 from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.server import convert, errors, openai_agents
+from jaxserve.server import convert, errors, openai_agent_fields as agent_fields
 
 # Fields OpenAI defines that jaxserve does not implement: a request that sets one is refused
 # rather than silently served without it.
@@ -39,7 +39,7 @@ class Parsed:
     session_id: str
     stop: list[str]
     # Structured outputs, tools, template kwargs (jaxserve.server.openai_agents).
-    agent: openai_agents.AgentRequest = dataclasses.field(default_factory=openai_agents.AgentRequest)
+    agent: agent_fields.AgentRequest = dataclasses.field(default_factory=agent_fields.AgentRequest)
 
     @property
     def text(self) -> str:
@@ -111,7 +111,7 @@ def _common(body: dict, chat: bool) -> dict:
     options = _get(body, "stream_options", dict, {})
     return dict(chat=chat, model=model, sampling=sampling, max_tokens=max_tokens, n=_get(body, "n", int, 1),
                 stream=_get(body, "stream", bool, False), include_usage=bool(options.get("include_usage")),
-                session_id=_get(body, "session_id", str, ""), stop=stop, agent=openai_agents.parse(body, chat))
+                session_id=_get(body, "session_id", str, ""), stop=stop, agent=agent_fields.parse(body, chat))
 
 
 def parse_chat(body: dict) -> Parsed:
@@ -121,7 +121,7 @@ def parse_chat(body: dict) -> Parsed:
         raise errors.invalid_argument("messages must be a list of {role, content} objects", "messages")
     messages = [dict(m, content=_content(m.get("content"), i)) for i, m in enumerate(messages)]
     try:
-        messages = openai_agents.check_messages(messages)
+        messages = agent_fields.check_messages(messages)
     except errors.ServeError as e:
         raise errors.invalid_argument(e.message, "messages") from None
     logprobs = None

@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from jaxserve.agents.message import MessageStream, message
+from jaxserve.agents.message import MessageStream
 from jaxserve.server import convert, errors
 from jaxserve.server import openai_agents as agents
 from jaxserve.server import openai_api as api
@@ -169,7 +169,7 @@ class OpenAIFrontEnd:
             plan = self.agents.plan(req.chat, req.agent, prompt_text)
             req.sampling.update(plan.sampling())
             if plan.structured is not None:  # a grammar that cannot compile is refused before anything runs
-                await self._check_grammar(req, plan.structured)
+                await agents.check_grammar(self.service.llm.engine, req.agent, plan.structured)
             info = self.service.info
             params = req.params(len(ids), info.max_context, info.max_num_seqs)
             if req.stream:
@@ -228,27 +228,12 @@ class OpenAIFrontEnd:
             return await self.service.off_loop(req.prompt, convert.encode_text, tok, req.prompt, False), req.prompt
         return list(req.prompt), ""
 
-    async def _check_grammar(self, req, spec) -> None:
-        try:
-            await asyncio.to_thread(self.service.llm.engine.check_structured, spec)
-        except ValueError as e:
-            param = req.agent.field if spec.kind != "grammar" or req.agent.structured is not None else "tools"
-            raise errors.invalid_argument(str(e), param) from None
-
     def _logprobs(self, req, token_ids, logprobs, offset: int):
         if req.logprobs is None or logprobs is None:
             return None
         if req.chat:
             return {"content": self.text_of.chat_logprobs(token_ids, logprobs)}
         return self.text_of.completion_logprobs(token_ids, logprobs, offset)
-
-    def _parsed_chunks(self, req, stream, i: int, deltas: list[dict], lp):
-        """One chunk per parsed delta (the token log-probs ride on the first; alone if none)."""
-        if not deltas and lp is not None:
-            deltas = [{"content": ""}]
-        for j, d in enumerate(deltas):
-            yield dict(self._envelope(req, stream, chunk=True),
-                       choices=[{"index": i, "delta": d, "logprobs": lp if j == 0 else None, "finish_reason": None}])
 
     def _envelope(self, req, stream, chunk: bool) -> dict:
         return api.envelope(req, stream.request_id, self.model_name, api.now(), self.fingerprint, chunk)
@@ -271,10 +256,8 @@ class OpenAIFrontEnd:
             body["choices"] = [api.choice(req, i, texts[i], ends[i][0], self._logprobs(req, ids[i], lps[i], 0))
                                for i in range(n)]
             if plan.parser is not None:  # content, reasoning and tool calls from the text
-                for i, ch in enumerate(body["choices"]):
-                    ch["message"] = message(plan.parser.parse(texts[i], final=True), agents.call_ids(stream.request_id, i))
-                    if ch["message"].get("tool_calls") and ch["finish_reason"] == "stop":
-                        ch["finish_reason"] = "tool_calls"
+                agents.whole_messages(plan, body["choices"], texts, stream.request_id, self.service.metrics.agents,
+                                      self.agents.tool_parser)
             first = ends[0][1]
             body["usage"] = api.usage(first.prompt_tokens, sum(e[1].completion_tokens for e in ends),
                                       first.cached_tokens)
@@ -307,8 +290,8 @@ class OpenAIFrontEnd:
                     lp = self._logprobs(req, ev[1], ev[3], offsets[i])
                     offsets[i] += len(ev[2])
                     if parsed is not None:  # content / reasoning / tool-call deltas of the text
-                        for chunk in self._parsed_chunks(req, stream, i, parsed[i].push(ev[2]), lp):
-                            yield sse(chunk)
+                        for choice in agents.delta_choices(i, parsed[i].push(ev[2]), lp):
+                            yield sse(dict(out, choices=[choice]))
                         continue
                     if not ev[2] and lp is None:
                         continue
@@ -319,8 +302,9 @@ class OpenAIFrontEnd:
                         state["outcome"] = reason
                     completion[i] = usage.completion_tokens
                     if parsed is not None:
-                        for chunk in self._parsed_chunks(req, stream, i, parsed[i].finish(), None):
-                            yield sse(chunk)
+                        for choice in agents.delta_choices(i, parsed[i].finish(), None):
+                            yield sse(dict(out, choices=[choice]))
+                        agents.count_calls(self.service.metrics.agents, self.agents.tool_parser, parsed[i].last.calls)
                         reason = "tool_calls" if parsed[i].has_calls and reason == "stop" else reason
                     out["choices"] = [api.chunk_choice(req, i, None if req.chat else "", reason, None)]
                 yield sse(out)

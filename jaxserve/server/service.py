@@ -194,6 +194,11 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         check_stop(req.stop.stop, req.stop.stop_token_ids, self.limits)  # before any work on them
         params = convert.choice_params(convert.sampling_params(req), req.n or 1, self.info.max_num_seqs)
         ids = await self.prompt_ids(req)
+        if params[0].structured is not None:  # a grammar that cannot compile: refused before anything runs
+            try:
+                await asyncio.to_thread(self.llm.engine.check_structured, params[0].structured)
+            except ValueError as e:
+                raise errors.invalid_argument(f"structured: {e}") from None
         rid = rid or f"req-{uuid.uuid4().hex}"
         md = [(REPLICA_HEADER, self.info.replica_id), ("x-request-id", rid)]
         if session:

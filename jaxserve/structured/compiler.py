@@ -75,7 +75,8 @@ class GrammarCompiler:
         self._tokenizer = lltokenizer(tokenizer, vocab_size, eos_ids)
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
-        self.compile_seconds: list[float] = []  # every compilation's wall time (for the metrics)
+        self.compiles = 0
+        self.compile_seconds: collections.deque = collections.deque(maxlen=1024)  # the latest compilations' times
 
     def _limits(self):
         from llguidance import LLParserLimits
@@ -103,6 +104,7 @@ class GrammarCompiler:
             raise GrammarError(f"the {spec.kind} does not compile: {proto.get_error()}")
         with self._lock:
             self.compile_seconds.append(elapsed)
+            self.compiles += 1
             self._cache[spec] = proto
             while len(self._cache) > CACHED_GRAMMARS:
                 self._cache.popitem(last=False)

@@ -60,8 +60,10 @@ class Constraints:
                 self._compiler = GrammarCompiler(*self._args)
             return self._compiler
 
-    def compile_seconds(self) -> list[float]:
-        return list(self._compiler.compile_seconds) if self._compiler is not None else []
+    def compile_seconds(self) -> tuple[int, list[float]]:
+        """(compilations so far, the latest ones' seconds, oldest first)."""
+        c = self._compiler
+        return (c.compiles, list(c.compile_seconds)) if c is not None else (0, [])
 
     def start(self, spec: StructuredOutput) -> GrammarState:
         """A fresh state for a new request; GrammarError (a ValueError) if it cannot compile."""
