@@ -17,8 +17,13 @@ def _fn(tool: dict) -> dict:
 
 
 def _params(tool: dict) -> dict:
+    """The arguments' schema; an object schema that does not say otherwise takes no properties
+    beyond its own (as OpenAI's strict function calling has it: extra keys are no call's)."""
     p = _fn(tool).get("parameters")
-    return p if isinstance(p, dict) and p else {"type": "object", "properties": {}}
+    p = dict(p) if isinstance(p, dict) and p else {"type": "object", "properties": {}}
+    if p.get("type") == "object" and "additionalProperties" not in p:
+        p["additionalProperties"] = False
+    return p
 
 
 def _json(schema) -> str:

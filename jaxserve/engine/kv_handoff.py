@@ -59,5 +59,7 @@ class KvHandoffMixin:
         self.bm.commit_full_pages(seq.request_id, seq.prompt_ids)
         events.setdefault(seq.request_id, []).append(imp.first_token)
         reason = self.outputs.append(seq, imp.first_token, 0.0, None, time.perf_counter())
+        if seq.grammar is not None:  # the decode worker owns the grammar: it starts with the first token
+            reason = reason or self.constraints.advance(seq, imp.first_token)
         if reason is not None:
             self._finish(seq, reason)
