@@ -37,7 +37,7 @@ from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, pad_updates
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.attention_backends import get_backend
 from jaxserve.models.step import StepInput
-from jaxserve.buckets import bucket, pick_bucket, pow2_buckets, step_name, token_buckets  # noqa: F401 (re-exported)
+from jaxserve.buckets import bucket, pick_bucket, pow2_buckets, step_name, token_buckets, weights_phase  # noqa: F401 (re-exported)
 from jaxserve.quant.linear import describe, fixed_row_tiles, resolve_backend, use_backend
 from jaxserve.runner_programs import ProgramsRunnerMixin
 from jaxserve.quant.phase import PhaseWeight, phase_states
@@ -184,13 +184,15 @@ class ModelRunner(HandoffRunnerMixin, ProgramsRunnerMixin):
         return forward
 
     def _program(self, name: str, all_logits: bool = False):
-        """The checked program `name` ("prefill" | "decode"), jitted once; with ``all_logits``
-        the scoring variant (logits at every position, not part of serving)."""
+        """The checked program `name` ("prefill" | "decode" | "verify": the decode weights with
+        logits at every position, speculative decoding's check of draft tokens), jitted once;
+        with ``all_logits`` the scoring variant (logits at every position, not part of serving)."""
         key = name + ("/all_logits" if all_logits else "")
-        if name not in self.phase_params:
-            raise RuntimeError(f"a {self.role} worker holds no {name} weights: it has no {name} program")
+        weights = weights_phase(name)
+        if weights not in self.phase_params:
+            raise RuntimeError(f"a {self.role} worker holds no {weights} weights: it has no {name} program")
         if key not in self._jitted:
-            forward, tracker = self._model_fn(all_logits, name), self.tracker
+            forward, tracker = self._model_fn(all_logits or name == "verify", weights), self.tracker
 
             def step(params, kv, generation, inp: StepInput, expected, num_pages_used):
                 # The integrity check is its own batched op, before any attention read.
@@ -239,20 +241,22 @@ class ModelRunner(HandoffRunnerMixin, ProgramsRunnerMixin):
              all_logits: bool = False) -> StepResult:
         """Run the checked `phase` program on padded numpy inputs; updates the KV pools. With
         ``all_logits`` (scoring, never while serving) the logits are [B, T, V] and its
-        compilations are not serving compilations."""
+        compilations are not serving compilations; "verify" (a serving program) returns
+        [B, T, V] too."""
         if self._mirror is not None:
             host = tuple(np.asarray(x, np.int32) for x in (tokens, cached_lens, new_lens, page_table, expected,
                                                            num_pages_used))
             self._mirror("step", host, {"phase": phase, "all_logits": all_logits})
-        if phase not in self.phase_params:
-            raise RuntimeError(f"a {self.role} worker holds no {phase} weights: it has no {phase} program")
+        weights = weights_phase(phase)
+        if weights not in self.phase_params:
+            raise RuntimeError(f"a {self.role} worker holds no {weights} weights: it has no {phase} program")
         inp = StepInput(
             tokens=jnp.asarray(tokens, jnp.int32),
             cached_lens=jnp.asarray(cached_lens, jnp.int32),
             new_lens=jnp.asarray(new_lens, jnp.int32),
             page_table=jnp.asarray(page_table, jnp.int32),
         )
-        args = (self.phase_params[phase][0], self.kv, self.generation, inp,
+        args = (self.phase_params[weights][0], self.kv, self.generation, inp,
                 jnp.asarray(expected, jnp.int32), jnp.asarray(num_pages_used, jnp.int32))
         b, t = inp.tokens.shape
         built = None if all_logits else self._built(step_name(phase, b, t), lambda: self._step_spec(phase, b, t))

@@ -39,7 +39,8 @@ from jaxserve.models.attention_backends import default_backend
 from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, TrackerStats, integrity_errors
 from jaxserve.program_cache import ProgramCache
 from jaxserve.programs import ProgramSet
-from jaxserve.runner import ModelRunner, bucket, pick_bucket, token_buckets
+from jaxserve.runner import ModelRunner, bucket, pick_bucket, step_name, token_buckets
+from jaxserve.engine.speculative.setup import make_speculative
 
 
 class LLMEngine(KvHandoffMixin):
@@ -82,6 +83,7 @@ class LLMEngine(KvHandoffMixin):
         cache = None if config.program_cache in (None, "off") else ProgramCache(config.program_cache)
         self.programs = ProgramSet(cache, self.runner.key_parts(), config.compile_workers or os.cpu_count() or 1)
         self.runner.use_programs(self.programs)
+        self.spec = make_speculative(config, self.cfg.vocab_size, self.max_model_len, self.bm)
 
     def memory_report(self) -> dict:
         """What the engine holds: weight bytes per phase (and resident: shared arrays once), the
@@ -168,6 +170,8 @@ class LLMEngine(KvHandoffMixin):
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        if self.spec is not None:  # draft tokens first: the scheduler maps their slots
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         self.runner.apply_generation_updates(*self.bm.take_generation_updates())
         events: dict[str, list[int]] = {}  # request id -> token ids sampled this step
@@ -188,7 +192,9 @@ class LLMEngine(KvHandoffMixin):
                     to_sample.append((i, c.seq))
             self._sample(res.logits, to_sample, events)
         decode = [s for s in sched.decode if not s.finished]
-        if decode:
+        if decode and self._verifies(decode):
+            self._verify(decode, events)
+        elif decode:
             rows = [(s, [s.output_ids[-1]], s.total_len - 1) for s in decode]
             res = self._run("decode", rows, *step_bucket(self, "decode", bucket(len(rows)), 1))
             to_sample = []
@@ -263,12 +269,47 @@ class LLMEngine(KvHandoffMixin):
         for j, (_, s) in enumerate(rows):
             if s.finished:
                 continue
-            tok, n = int(tokens[j]), s.params.logprobs or 0
+            n = s.params.logprobs or 0
             top = {int(a): float(c) for a, c in zip(top_ids[j, :n], top_lp[j, :n])} if n_lp else None
-            events.setdefault(s.request_id, []).append(tok)
-            reason = self.outputs.append(s, tok, float(lp[j]), top, now)
-            if reason is not None:
-                self._finish(s, reason)
+            self._emit(s, int(tokens[j]), float(lp[j]), top, now, events)
+
+    def _emit(self, s: Sequence, tok: int, logprob: float, top, now: float, events) -> bool:
+        """Append one token to ``s``; -> whether the request finished with it."""
+        events.setdefault(s.request_id, []).append(tok)
+        reason = self.outputs.append(s, tok, logprob, top, now)
+        if reason is not None:
+            self._finish(s, reason)
+        return s.finished
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _verifies(self, decode: list[Sequence]) -> bool:
+        """Whether this decode batch runs as a verify call: some row drafted and its bucket is built."""
+        if self.spec is None or not any(s.draft_ids for s in decode):
+            return False
+        b, t = step_bucket(self, "verify", bucket(len(decode)), self.spec.verify_tokens)
+        ready = not self.runner.warm or self.runner.programs is None or step_name("verify", b, t) in self.programs
+        if not ready:  # still warming: decode one token (the drafts' slots fill as the request grows)
+            for s in decode:
+                s.draft_ids = []
+        return ready
+
+    def _verify(self, decode: list[Sequence], events) -> None:
+        """One verify call over every decode row (last token + its drafts), the lossless
+        acceptance, then each row's tokens emitted in order (a stop inside the run ends it) and
+        the rejected drafts' pages rolled back."""
+        rows = [(s, [s.output_ids[-1]] + s.draft_ids, s.total_len - 1) for s in decode]
+        res = self._run("verify", rows, *step_bucket(self, "verify", bucket(len(rows)), self.spec.verify_tokens))
+        live = [(i, s) for i, s in enumerate(decode) if res.ok[i] and not s.finished]
+        now = time.perf_counter()
+        for (_, s), (toks, lps, tops) in zip(live, self.spec.accept(res.logits, live) if live else []):
+            s.draft_ids = []
+            for tok, lp, top in zip(toks, lps, tops):
+                if self._emit(s, tok, lp, top, now, events):
+                    break
+            if not s.finished:
+                s.num_computed = s.total_len - 1  # the last token and the accepted drafts were written
+                self.bm.commit_full_pages(s.request_id, s.all_ids[: s.num_computed])
+                self.spec.rollback(s)
 
     def _finish(self, s: Sequence, reason: str, error: Exception | None = None) -> None:
         if s.finished:

@@ -198,3 +198,6 @@ def _penalty_inputs(rows, b: int, v: int) -> dict:
 def _bucket(n: int) -> int:
     """Smallest power of two >= n (the padded row count of a sampling call)."""
     return 1 << (max(n, 1) - 1).bit_length()
+
+
+penalty_inputs = _penalty_inputs  # public: speculative decoding's acceptance applies the same penalties
