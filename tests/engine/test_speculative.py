@@ -50,22 +50,29 @@ def _family(name, tmp_path_factory):
 @pytest.mark.parametrize("family,kv_format", [("kimi", "bf16"), ("kimi", "fp8_e4m3"), ("glm4", "fp8_e4m3"),
                                               ("llama", "bf16"), ("dsa", "bf16")])
 def test_greedy_tokens_identical_with_speculation(family, kv_format, tmp_path_factory):
-    ckpt = _family(family, tmp_path_factory)
-    off = LLM(ckpt, kv_format=kv_format, **KW)
-    on = LLM(ckpt, kv_format=kv_format, **KW, **SPEC)
-    prompts = repeating_prompts(off.engine.cfg.vocab_size)
+    """One engine (its prefill and decode programs shared): each run first with its speculative
+    decoder set aside (exactly the engine with speculation off), then on, whose prompts then hit
+    the prefix cache the first run filled."""
+    llm = LLM(_family(family, tmp_path_factory), kv_format=kv_format, **KW, **SPEC)
+    spec = llm.engine.spec
+    prompts = repeating_prompts(llm.engine.cfg.vocab_size)
     sp = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=0)
-    want, got = off.generate(prompts, sp), on.generate(prompts, sp)
-    for a, b in zip(want, got):
-        assert list(b) == list(a)
-        np.testing.assert_allclose([x for x, _ in b.logprobs], [x for x, _ in a.logprobs], atol=2e-3)
-    spec = on.engine.spec
-    assert spec.accepted > 0 and spec.accepted < spec.drafted  # both paths taken
-    # A stop token inside what speculation emits in one call: the same cut, nothing after it.
-    stop = SamplingParams(max_tokens=20, stop_token_ids=(want[0][12],), ignore_eos=True)
-    assert list(on.generate(prompts[:1], stop)[0]) == list(off.generate(prompts[:1], stop)[0])
-    assert on.engine.snapshot().integrity_mismatches == {}
-    assert on.engine.bm.num_used_pages == 0  # every page, rolled-back ones included, came back
+    stop = None
+    for params in (sp, "stop"):
+        llm.engine.spec = None
+        want = llm.generate(prompts, params if params != "stop" else stop)
+        llm.engine.spec = spec
+        got = llm.generate(prompts, params if params != "stop" else stop)
+        for a, b in zip(want, got):
+            assert list(b) == list(a)
+            if params == sp:
+                np.testing.assert_allclose([x for x, _ in b.logprobs], [x for x, _ in a.logprobs], atol=2e-3)
+        # A stop token that speculation emits inside an accepted run: the same cut, nothing after it.
+        stop = SamplingParams(max_tokens=20, stop_token_ids=(want[0][12],), ignore_eos=True)
+    assert 0 < spec.accepted < spec.drafted  # both paths taken
+    assert sum(c.usage.cached_tokens for c in got) > 0
+    assert llm.engine.snapshot().integrity_mismatches == {}
+    assert llm.engine.bm.num_used_pages == 0  # every page, rolled-back ones included, came back
 
 
 def test_rollback_releases_pages_and_a_stale_one_fails_closed():
@@ -101,23 +108,24 @@ def test_engine_rollback_then_stale_mapping_aborts_only_that_request():
     alone = llm.generate(prompts[1:2], sp)[0]
     a = eng.add_request(prompts[0], sp)
     b = eng.add_request(prompts[1], sp)
-    seq, injected, outs = eng.get_request(a), None, {}
+    seq, released, injected, outs = eng.get_request(a), None, False, {}
     for _ in range(200):
-        before = (list(seq.pages), list(seq.expected))
         for o in eng.step():
             outs[o.request_id] = o
-        if injected is None and not seq.finished and len(seq.pages) < len(before[0]):
-            injected = before[0][len(seq.pages)]
-            seq.pages, seq.expected = before[0][: len(seq.pages) + 1], before[1][: len(seq.pages) + 1]
+        if released is None and not seq.finished and seq.spec is not None and seq.spec.last_rollback:
+            at, released = len(seq.pages), seq.spec.last_rollback[0]  # (page, generation A mapped it at)
+        if released is not None and not injected and not seq.finished and len(seq.pages) > at:
+            # The request's table maps the released page where the block manager gave a new one.
+            seq.pages[at], seq.expected[at], injected = released[0], released[1], True
         if not eng.has_unfinished():
             break
-    assert injected is not None, "no verify call rolled a page back"
+    assert injected, "no verify call rolled a page back (or the request never grew past it)"
     assert outs[a].finish_reason == "abort"
     assert outs[a].error.cause in ("stale_generation", "page_not_owned")
     assert list(outs[b].completion) == list(alone)
 
 
-TEMP, TOP_K, TOP_P = 0.8, 12, 0.9
+TEMP, TOP_K, TOP_P = 0.1, 12, 0.9  # the tiny random model is nearly flat: sharpen it
 
 
 def _target(logits):
@@ -151,12 +159,12 @@ def test_sampled_acceptance_follows_the_target_distribution():
     llm = LLM(KIMI, kv_format="bf16", **KW)
     prompt = repeating_prompts(llm.engine.cfg.vocab_size)[0][:12]
     p_first = _target(llm.logprobs(prompt)[-1])
-    d0 = int(np.argsort(-p_first)[1])  # a likely but not the likeliest token: accepted and rejected often
+    d0 = int(np.argmax(p_first))  # the likeliest token: accepted and rejected often
     lp = llm.logprobs(prompt + [d0, 7])
     steps = lp[len(prompt) - 1 :]  # [3, V]: after the prompt, after d0, after d0 7
     p0, p1 = _target(steps[0]), _target(steps[1])
     d1 = int(np.argsort(-p1)[0])
-    n = 12000
+    n = 8000
     logits = np.broadcast_to(steps[None], (n, 3, steps.shape[-1])).astype(np.float32)
     drafts = np.tile(np.array([[d0, d1]], np.int32), (n, 1))
     rows, seeds = np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int32) + 1000
@@ -164,7 +172,7 @@ def test_sampled_acceptance_follows_the_target_distribution():
     out = verify_rows(logits, rows, drafts, np.full(n, 2, np.int32), f(TEMP), np.full(n, TOP_K, np.int32), f(TOP_P),
                       f(0.0), seeds, np.zeros(n, np.int32), all_greedy=False, penalties=False, num_logprobs=0)
     accepted, tokens = np.asarray(out[0]), np.asarray(out[1])
-    assert 0.1 < (accepted >= 1).mean() < 0.9  # both branches well sampled
+    assert 0.12 < (accepted >= 1).mean() < 0.88  # both branches well sampled
     assert _chi2_pvalue(tokens[:, 0], p0) > 1e-3
     second = tokens[accepted >= 1, 1]
     assert _chi2_pvalue(second, p1) > 1e-3

@@ -40,6 +40,8 @@ class SpecStats:
     paused_until: int = 0  # no drafts until the request has generated this many tokens
     backoff: int = FIRST_BACKOFF
     pauses: int = 0
+    pages_rolled_back: int = 0
+    last_rollback: list = dataclasses.field(default_factory=list)  # (page, generation it was mapped at)
 
     @property
     def acceptance_rate(self) -> float:
@@ -134,6 +136,9 @@ class SpeculativeDecoder:
         block manager and in the request's own page table; -> the pages released."""
         released = self.bm.truncate(seq.request_id, seq.total_len)
         keep = len(self.bm.page_table(seq.request_id))
+        if released and seq.spec is not None:
+            seq.spec.pages_rolled_back += len(released)
+            seq.spec.last_rollback = list(zip(seq.pages[keep:], seq.expected[keep:]))
         del seq.pages[keep:], seq.expected[keep:]
         return released
 
