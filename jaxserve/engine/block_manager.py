@@ -180,11 +180,8 @@ class BlockManager:
         return new_pages
 
     def truncate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
-        """Shrink a sequence to the pages ``num_tokens`` tokens need (speculative decoding's
-        rollback of rejected draft tokens); returns the pages released. A released page's
-        generation is bumped as by ``free`` (it goes back to the free list), so a page table that
-        still maps it fails the integrity check. Pages already committed to the prefix cache are
-        never released this way."""
+        """Shrink a sequence to the pages ``num_tokens`` tokens need (rejected draft tokens' rollback),
+        never below its committed pages; -> the pages released (generations bumped, as by ``free``)."""
         seq = self._seq(seq_id)
         keep = max(self.pages_for(num_tokens), len(seq.block_hashes))
         released = seq.pages[keep:]

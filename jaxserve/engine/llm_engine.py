@@ -109,6 +109,7 @@ class LLMEngine(KvHandoffMixin):
             integrity_mismatches=dict(st.mismatches_by_cause), compiles_after_warmup=self.runner.compiles_after_warmup,
             preemptions=self.scheduler.num_preemptions,
             programs_compiled=self.programs.compiled, programs_loaded=self.programs.loaded,
+            **(self.spec.totals() if self.spec is not None else {}),
         )
 
     def add_step_observer(self, fn: Callable[[StepRecord], None]) -> Callable[[], None]:
@@ -192,8 +193,9 @@ class LLMEngine(KvHandoffMixin):
                     to_sample.append((i, c.seq))
             self._sample(res.logits, to_sample, events)
         decode = [s for s in sched.decode if not s.finished]
-        if decode and self._verifies(decode):
-            self._verify(decode, events)
+        verify = self._verify_bucket(len(decode)) if decode and self.spec is not None else None
+        if decode and self.spec is not None and self.spec.verifies(decode, verify):
+            self.spec.verify(decode, lambda rows: self._run("verify", rows, *verify), self._emit, events)
         elif decode:
             rows = [(s, [s.output_ids[-1]], s.total_len - 1) for s in decode]
             res = self._run("decode", rows, *step_bucket(self, "decode", bucket(len(rows)), 1))
@@ -281,35 +283,11 @@ class LLMEngine(KvHandoffMixin):
             self._finish(s, reason)
         return s.finished
 
-    # ------------------------------------------------------------------ speculative decoding
-    def _verifies(self, decode: list[Sequence]) -> bool:
-        """Whether this decode batch runs as a verify call: some row drafted and its bucket is built."""
-        if self.spec is None or not any(s.draft_ids for s in decode):
-            return False
-        b, t = step_bucket(self, "verify", bucket(len(decode)), self.spec.verify_tokens)
-        ready = not self.runner.warm or self.runner.programs is None or step_name("verify", b, t) in self.programs
-        if not ready:  # still warming: decode one token (the drafts' slots fill as the request grows)
-            for s in decode:
-                s.draft_ids = []
-        return ready
-
-    def _verify(self, decode: list[Sequence], events) -> None:
-        """One verify call over every decode row (last token + its drafts), the lossless
-        acceptance, then each row's tokens emitted in order (a stop inside the run ends it) and
-        the rejected drafts' pages rolled back."""
-        rows = [(s, [s.output_ids[-1]] + s.draft_ids, s.total_len - 1) for s in decode]
-        res = self._run("verify", rows, *step_bucket(self, "verify", bucket(len(rows)), self.spec.verify_tokens))
-        live = [(i, s) for i, s in enumerate(decode) if res.ok[i] and not s.finished]
-        now = time.perf_counter()
-        for (_, s), (toks, lps, tops) in zip(live, self.spec.accept(res.logits, live) if live else []):
-            s.draft_ids = []
-            for tok, lp, top in zip(toks, lps, tops):
-                if self._emit(s, tok, lp, top, now, events):
-                    break
-            if not s.finished:
-                s.num_computed = s.total_len - 1  # the last token and the accepted drafts were written
-                self.bm.commit_full_pages(s.request_id, s.all_ids[: s.num_computed])
-                self.spec.rollback(s)
+    def _verify_bucket(self, n: int) -> tuple[int, int] | None:
+        """The verify bucket for n decode rows, or None while warm-up has not built one."""
+        b, t = step_bucket(self, "verify", bucket(n), self.spec.verify_tokens)
+        built = not self.runner.warm or self.runner.programs is None or step_name("verify", b, t) in self.programs
+        return (b, t) if built else None
 
     def _finish(self, s: Sequence, reason: str, error: Exception | None = None) -> None:
         if s.finished:

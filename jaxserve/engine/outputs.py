@@ -10,6 +10,14 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
+    # Speculative decoding: draft tokens verified for this request, and how many were accepted
+    # (each accepted one is a completion token that cost no step of its own).
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +90,9 @@ class EngineSnapshot:
     preemptions: int  # since start
     programs_compiled: int = 0  # serving programs XLA compiled for this engine (warm-up, or first use before it)
     programs_loaded: int = 0  # serving programs loaded from the program cache instead
+    spec_draft_tokens: int = 0  # speculative decoding, since start: draft tokens verified
+    spec_accepted_tokens: int = 0  # ... accepted
+    spec_verify_steps: int = 0  # (request, verify call) pairs with drafts: mean accepted length = 1 + accepted / this
 
 
 @dataclasses.dataclass(frozen=True)

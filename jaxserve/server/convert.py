@@ -13,6 +13,7 @@ import pathlib
 
 import numpy as np
 
+from jaxserve.engine.speculative.setup import describe as describe_speculative
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.multihost.digest import shard_digest
 from jaxserve.server import errors
@@ -159,7 +160,8 @@ def decode_ids(tokenizer, ids, vocab_size: int, skip_special_tokens: bool) -> st
 
 # ---------------------------------------------------------------------- results
 def usage(u) -> pb.Usage:
-    return pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens)
+    return pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens,
+                    draft_tokens=u.draft_tokens, accepted_draft_tokens=u.accepted_draft_tokens)
 
 
 def token_logprobs(token_ids, logprobs) -> list[pb.TokenLogprob]:
@@ -242,6 +244,7 @@ def model_info(llm, max_waiting: int, replica_id: str, peer_digests=()) -> pb.Mo
         role=eng.config.role,
         kv_layout=eng.kv_layout(),
         handoff_fingerprint=eng.handoff_fingerprint(),
+        speculative=describe_speculative(eng.config),
     )
 
 

@@ -68,11 +68,19 @@ class ServerMetrics:
                                          buckets=_LATENCY, registry=r)
         self.handoff_failures = Counter("jaxserve_kv_handoff_failures", "KV handoffs refused or failed, by cause",
                                         ["cause"], registry=r)
+        self._speculative_metrics(r)
         for cause in ("stale_generation", "out_of_range_page", "page_not_owned"):
             self.integrity_mismatches.labels(cause)  # export zeros, so rate() works from the start
         self._seen_mismatches: dict[str, int] = {}
-        self._seen_checks = 0
-        self._seen_rows = 0
+        self._seen_checks = self._seen_rows = 0
+
+    def _speculative_metrics(self, r) -> None:
+        """Speculative decoding (--speculative): acceptance rate = accepted / draft tokens; mean
+        accepted length = 1 + accepted / verify steps."""
+        self.spec_draft = Counter("jaxserve_spec_draft_tokens", "Speculative draft tokens verified", registry=r)
+        self.spec_accepted = Counter("jaxserve_spec_accepted_tokens", "Speculative draft tokens accepted", registry=r)
+        self.spec_steps = Counter("jaxserve_spec_verify_steps", "Requests' verify steps with draft tokens", registry=r)
+        self._seen_spec = (0, 0, 0)
 
     def sync_engine(self, snap) -> None:
         """Engine thread, after each step, from ``LLMEngine.snapshot()``: KV gauges and the
@@ -88,6 +96,11 @@ class ServerMetrics:
             self.integrity_checks.inc(snap.integrity_checks - self._seen_checks)
             self.integrity_rows.inc(snap.integrity_rows - self._seen_rows)
             self._seen_checks, self._seen_rows = snap.integrity_checks, snap.integrity_rows
+        spec = (snap.spec_draft_tokens, snap.spec_accepted_tokens, snap.spec_verify_steps)
+        if spec != self._seen_spec:
+            for counter, n, seen in zip((self.spec_draft, self.spec_accepted, self.spec_steps), spec, self._seen_spec):
+                counter.inc(n - seen)
+            self._seen_spec = spec
         for cause, n in snap.integrity_mismatches.items():
             seen = self._seen_mismatches.get(cause, 0)
             if n != seen:

@@ -156,10 +156,18 @@ def parse_completion(body: dict) -> Parsed:
 
 
 # ---------------------------------------------------------------------- responses
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, draft_tokens: int = 0,
+          accepted_draft_tokens: int = 0) -> dict:
+    """OpenAI's usage object; with speculative decoding's drafts, ``completion_tokens_details``
+    says how many draft tokens were accepted (completion tokens) and rejected (verified, not
+    returned), as OpenAI reports a prediction's."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if draft_tokens:
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted_draft_tokens,
+                                            "rejected_prediction_tokens": draft_tokens - accepted_draft_tokens}
+    return out
 
 
 class TokenText:

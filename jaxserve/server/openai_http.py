@@ -242,7 +242,8 @@ class OpenAIFrontEnd:
                                for i in range(n)]
             first = ends[0][1]
             body["usage"] = api.usage(first.prompt_tokens, sum(e[1].completion_tokens for e in ends),
-                                      first.cached_tokens)
+                                      first.cached_tokens, sum(e[1].draft_tokens for e in ends),
+                                      sum(e[1].accepted_draft_tokens for e in ends))
             return body, 200
         except ServeError as e:
             outcome = e.outcome
@@ -257,7 +258,7 @@ class OpenAIFrontEnd:
         """The SSE body: chunks per choice, a usage chunk if asked, then ``data: [DONE]``;
         state["outcome"]: how it ended (the response's on_close counts it)."""
         n = 1 + len(stream.choices)
-        prompt, cached, completion, offsets = [0] * n, [0] * n, [0] * n, [0] * n
+        prompt, cached, completion, offsets, drafts = [0] * n, [0] * n, [0] * n, [0] * n, [(0, 0)] * n
         try:
             async for i, ev in choice_events(stream):
                 out = self._envelope(req, stream, chunk=True)
@@ -277,11 +278,12 @@ class OpenAIFrontEnd:
                     if i == 0:
                         state["outcome"] = reason
                     completion[i] = usage.completion_tokens
+                    drafts[i] = (usage.draft_tokens, usage.accepted_draft_tokens)
                     out["choices"] = [api.chunk_choice(req, i, None if req.chat else "", reason, None)]
                 yield sse(out)
             if req.include_usage:
                 yield sse(dict(self._envelope(req, stream, chunk=True), choices=[],
-                               usage=api.usage(prompt[0], sum(completion), cached[0])))
+                               usage=api.usage(prompt[0], sum(completion), cached[0], *map(sum, zip(*drafts)))))
         except ServeError as e:
             state["outcome"] = e.outcome
             yield sse(error_body(e))

@@ -70,6 +70,10 @@ def test_greedy_tokens_identical_with_speculation(family, kv_format, tmp_path_fa
         # A stop token that speculation emits inside an accepted run: the same cut, nothing after it.
         stop = SamplingParams(max_tokens=20, stop_token_ids=(want[0][12],), ignore_eos=True)
     assert 0 < spec.accepted < spec.drafted  # both paths taken
+    usage = [c.usage for c in got]  # the stop run's: its drafts per request, in usage
+    assert all(0 <= u.accepted_draft_tokens <= u.draft_tokens for u in usage) and sum(u.draft_tokens for u in usage)
+    snap = llm.engine.snapshot()
+    assert (snap.spec_draft_tokens, snap.spec_accepted_tokens) == (spec.drafted, spec.accepted)
     assert sum(c.usage.cached_tokens for c in got) > 0
     assert llm.engine.snapshot().integrity_mismatches == {}
     assert llm.engine.bm.num_used_pages == 0  # every page, rolled-back ones included, came back
@@ -190,3 +194,11 @@ def test_sampled_acceptance_follows_the_target_distribution():
     tv = 0.5 * np.abs(np.bincount(tokens[:, 0], minlength=len(p0)) / n - p0).sum()
     tv_naive = 0.5 * np.abs(np.bincount(resample_whole, minlength=len(p0)) / n - p0).sum()
     assert tv < 0.03 < tv_naive
+
+
+def test_openai_usage_reports_accepted_and_rejected_drafts():
+    from jaxserve.server.openai_api import usage
+
+    assert "completion_tokens_details" not in usage(5, 8, 0)
+    assert usage(5, 8, 0, 6, 4)["completion_tokens_details"] == {"accepted_prediction_tokens": 4,
+                                                                 "rejected_prediction_tokens": 2}

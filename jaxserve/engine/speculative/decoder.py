@@ -18,6 +18,7 @@ time, up to ``MAX_BACKOFF``), a rate at or above it resets the backoff.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -61,6 +62,11 @@ class SpeculativeDecoder:
         self.min_acceptance = min_acceptance
         self.drafted = self.accepted = self.verify_steps = 0  # engine totals (metrics)
 
+    def totals(self) -> dict:
+        """The engine's figures since start, as ``EngineSnapshot`` fields."""
+        return dict(spec_draft_tokens=self.drafted, spec_accepted_tokens=self.accepted,
+                    spec_verify_steps=self.verify_steps)
+
     @property
     def verify_tokens(self) -> int:
         """T of the verify programs: the last token and k drafts."""
@@ -78,6 +84,34 @@ class SpeculativeDecoder:
                 continue
             limit = min(seq.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.total_len - 1)
             seq.draft_ids = self.proposer.propose(seq.all_ids, limit)
+
+    def verifies(self, decode, bucket) -> bool:
+        """Whether this decode batch runs as a verify call: some row drafted and its bucket
+        (None while warm-up has not built it) exists. If not, the drafts are dropped (their
+        slots fill as the requests grow)."""
+        if bucket is not None and any(s.draft_ids for s in decode):
+            return True
+        for s in decode:
+            s.draft_ids = []
+        return False
+
+    def verify(self, decode, run, emit, events) -> None:
+        """One verify call over every decode row (``run(rows)``: its last token and its drafts,
+        KV written for all), the acceptance, then each row's tokens emitted in order
+        (``emit(seq, token, logprob, top, now, events)`` -> finished: a stop inside the run ends
+        it) and the rejected drafts' pages rolled back."""
+        res = run([(s, [s.output_ids[-1]] + s.draft_ids, s.total_len - 1) for s in decode])
+        live = [(i, s) for i, s in enumerate(decode) if res.ok[i] and not s.finished]
+        now = time.perf_counter()
+        for (_, s), (toks, lps, tops) in zip(live, self.accept(res.logits, live) if live else []):
+            s.draft_ids = []
+            for tok, lp, top in zip(toks, lps, tops):
+                if emit(s, tok, lp, top, now, events):
+                    break
+            if not s.finished:
+                s.num_computed = s.total_len - 1  # the last token and the accepted drafts were written
+                self.bm.commit_full_pages(s.request_id, s.all_ids[: s.num_computed])
+                self.rollback(s)
 
     def accept(self, logits, rows) -> list[tuple[list[int], list[float], list]]:
         """rows: (logits row, Sequence) of one verify call -> per row (tokens to emit: accepted
