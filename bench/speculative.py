@@ -78,7 +78,7 @@ def main():
             row = dict(workload=kind, requests=n, off_tok_s=round(off, 2), on_tok_s=round(on, 2),
                        ratio=round(on / off, 3), acceptance=round(accepted / drafted, 3) if drafted else None,
                        mean_accepted_length=round(1 + accepted / steps, 2) if steps else None,
-                       draft_tokens=drafted, off_runs=[round(x, 2) for x in res["off"]],
+                       draft_tokens=drafted, verify_cost_in_decode_steps=round(spec.cost_ratio(n), 2), off_runs=[round(x, 2) for x in res["off"]],
                        on_runs=[round(x, 2) for x in res["on"]])
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -84,6 +84,8 @@ class LLMEngine(KvHandoffMixin):
         self.programs = ProgramSet(cache, self.runner.key_parts(), config.compile_workers or os.cpu_count() or 1)
         self.runner.use_programs(self.programs)
         self.spec = make_speculative(config, self.cfg.vocab_size, self.max_model_len, self.bm)
+        if self.spec is not None:  # its auto-off weighs acceptance against the calls' measured cost
+            self.add_step_observer(self.spec.observe)
 
     def memory_report(self) -> dict:
         """What the engine holds: weight bytes per phase (and resident: shared arrays once), the

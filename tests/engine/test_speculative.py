@@ -9,7 +9,7 @@
 import numpy as np
 import pytest
 
-from hf_models import build_glm4_moe, build_glm_moe_dsa, build_llama
+from hf_models import build_glm_moe_dsa, build_llama
 from jaxserve import LLM
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.sampling_params import SamplingParams
@@ -43,12 +43,13 @@ def _family(name, tmp_path_factory):
     if name == "kimi":
         return KIMI
     path = tmp_path_factory.mktemp(f"spec_{name}")
-    {"glm4": build_glm4_moe, "llama": build_llama, "dsa": build_glm_moe_dsa}[name](path, num_hidden_layers=2, seed=2)
+    extra = {"indexer_types": ["full", "shared"]} if name == "dsa" else {}
+    {"llama": build_llama, "dsa": build_glm_moe_dsa}[name](path, num_hidden_layers=2, seed=2, **extra)
     return str(path)
 
 
-@pytest.mark.parametrize("family,kv_format", [("kimi", "bf16"), ("kimi", "fp8_e4m3"), ("glm4", "fp8_e4m3"),
-                                              ("llama", "bf16"), ("dsa", "bf16")])
+@pytest.mark.parametrize("family,kv_format", [("kimi", "bf16"), ("kimi", "fp8_e4m3"), ("llama", "fp8_e4m3"),
+                                              ("dsa", "bf16")])
 def test_greedy_tokens_identical_with_speculation(family, kv_format, tmp_path_factory):
     """One engine (its prefill and decode programs shared): each run first with its speculative
     decoder set aside (exactly the engine with speculation off), then on, whose prompts then hit
@@ -68,7 +69,7 @@ def test_greedy_tokens_identical_with_speculation(family, kv_format, tmp_path_fa
             if params == sp:
                 np.testing.assert_allclose([x for x, _ in b.logprobs], [x for x, _ in a.logprobs], atol=2e-3)
         # A stop token that speculation emits inside an accepted run: the same cut, nothing after it.
-        stop = SamplingParams(max_tokens=20, stop_token_ids=(want[0][12],), ignore_eos=True)
+        stop = stop or SamplingParams(max_tokens=20, stop_token_ids=(want[0][12],), ignore_eos=True)
     assert 0 < spec.accepted < spec.drafted  # both paths taken
     usage = [c.usage for c in got]  # the stop run's: its drafts per request, in usage
     assert all(0 <= u.accepted_draft_tokens <= u.draft_tokens for u in usage) and sum(u.draft_tokens for u in usage)
@@ -168,7 +169,7 @@ def test_sampled_acceptance_follows_the_target_distribution():
     steps = lp[len(prompt) - 1 :]  # [3, V]: after the prompt, after d0, after d0 7
     p0, p1 = _target(steps[0]), _target(steps[1])
     d1 = int(np.argsort(-p1)[0])
-    n = 8000
+    n = 4000
     logits = np.broadcast_to(steps[None], (n, 3, steps.shape[-1])).astype(np.float32)
     drafts = np.tile(np.array([[d0, d1]], np.int32), (n, 1))
     rows, seeds = np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int32) + 1000

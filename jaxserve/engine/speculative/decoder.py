@@ -11,9 +11,11 @@ pages past what the request's tokens need are released (``BlockManager.truncate`
 generation bump makes any page table that still maps one fail the integrity check).
 
 Auto-off: every verify call a request drafts in adds its drafted and accepted counts to a
-window; once the window holds ``WINDOW`` drafted tokens, an acceptance rate below
-``min_acceptance`` pauses its speculation for ``backoff`` generated tokens (doubling each
-time, up to ``MAX_BACKOFF``), a rate at or above it resets the backoff.
+window; once the window holds ``WINDOW`` drafted tokens, its speculation pauses for ``backoff``
+generated tokens (doubling each time, up to ``MAX_BACKOFF``) when it did not pay: an acceptance
+rate below ``min_acceptance``, or fewer tokens per verify call (1 + accepted / calls) than a
+verify call costs in decode steps (``cost_ratio``: the two programs' measured wall times at the
+batch's bucket, from the engine's step records). A window that paid resets the backoff.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class SpecStats:
     verify_steps: int = 0  # verify calls with at least one draft token of this request
     window_drafted: int = 0
     window_accepted: int = 0
+    window_steps: int = 0
     paused_until: int = 0  # no drafts until the request has generated this many tokens
     backoff: int = FIRST_BACKOFF
     pauses: int = 0
@@ -61,6 +64,20 @@ class SpeculativeDecoder:
         self.bm = block_manager
         self.min_acceptance = min_acceptance
         self.drafted = self.accepted = self.verify_steps = 0  # engine totals (metrics)
+        self._seconds: dict[tuple[str, int], float] = {}  # (phase, bucket rows) -> EWMA wall time per call
+        self._bucket = 1  # of the verify call being recorded
+
+    def observe(self, rec) -> None:
+        """A step observer (``LLMEngine.add_step_observer``): the decode and verify calls' times."""
+        if rec.phase in ("decode", "verify"):
+            key = (rec.phase, rec.batch)
+            old = self._seconds.get(key)
+            self._seconds[key] = rec.seconds if old is None else 0.8 * old + 0.2 * rec.seconds
+
+    def cost_ratio(self, batch: int) -> float:
+        """A verify call's wall time in decode calls at this bucket (1.0 until both are measured)."""
+        v, d = self._seconds.get(("verify", batch)), self._seconds.get(("decode", batch))
+        return v / d if v and d else 1.0
 
     def totals(self) -> dict:
         """The engine's figures since start, as ``EngineSnapshot`` fields."""
@@ -100,6 +117,7 @@ class SpeculativeDecoder:
         KV written for all), the acceptance, then each row's tokens emitted in order
         (``emit(seq, token, logprob, top, now, events)`` -> finished: a stop inside the run ends
         it) and the rejected drafts' pages rolled back."""
+        self._bucket = _bucket(len(decode))
         res = run([(s, [s.output_ids[-1]] + s.draft_ids, s.total_len - 1) for s in decode])
         live = [(i, s) for i, s in enumerate(decode) if res.ok[i] and not s.finished]
         now = time.perf_counter()
@@ -156,14 +174,16 @@ class SpeculativeDecoder:
                                                           self.verify_steps + 1)
         st.window_drafted += drafted
         st.window_accepted += accepted
+        st.window_steps += 1
         if st.window_drafted >= WINDOW:
-            if st.window_accepted < self.min_acceptance * st.window_drafted:
+            per_call = 1 + st.window_accepted / st.window_steps
+            if st.window_accepted < self.min_acceptance * st.window_drafted or per_call < self.cost_ratio(self._bucket):
                 st.paused_until = len(seq.output_ids) + accepted + 1 + st.backoff
                 st.backoff = min(2 * st.backoff, MAX_BACKOFF)
                 st.pauses += 1
             else:
                 st.backoff = FIRST_BACKOFF
-            st.window_drafted = st.window_accepted = 0
+            st.window_drafted = st.window_accepted = st.window_steps = 0
 
     def rollback(self, seq) -> list[int]:
         """Release the pages past what the request's tokens need (rejected drafts' slots), in the
