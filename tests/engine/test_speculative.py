@@ -70,7 +70,9 @@ def test_greedy_tokens_identical_with_speculation(family, kv_format, tmp_path_fa
                 np.testing.assert_allclose([x for x, _ in b.logprobs], [x for x, _ in a.logprobs], atol=2e-3)
         # A stop token that speculation emits inside an accepted run: the same cut, nothing after it.
         stop = stop or SamplingParams(max_tokens=20, stop_token_ids=(want[0][12],), ignore_eos=True)
-    assert 0 < spec.accepted < spec.drafted  # both paths taken
+    assert 0 < spec.accepted <= spec.drafted
+    if family == "kimi":
+        assert spec.accepted < spec.drafted  # rejections too (the llama model copies every draft)
     usage = [c.usage for c in got]  # the stop run's: its drafts per request, in usage
     assert all(0 <= u.accepted_draft_tokens <= u.draft_tokens for u in usage) and sum(u.draft_tokens for u in usage)
     snap = llm.engine.snapshot()
