@@ -91,6 +91,15 @@ def _add_limit_args(p) -> None:
                    help=f"UTF-8 bytes of a request's stop strings together (default {d.max_stop_bytes})")
     p.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
                    help=f"stop token ids per request (default {d.max_stop_token_ids})")
+    p.add_argument("--max-messages", type=int, default=None,
+                   help="messages of one chat, refused before the chat template runs (default the model's max "
+                        "context: each message costs at least one token)")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest HTTP request body, refused as soon as that many bytes have arrived, chunked or "
+                        "not (default 6 x --max-prompt-bytes + 1 MiB: a prompt within the limit, JSON-escaped)")
+    p.add_argument("--max-json-depth", type=int, default=d.max_json_depth,
+                   help=f"deepest nesting of an HTTP request body, checked before it is parsed "
+                        f"(default {d.max_json_depth})")
     p.add_argument("--max-streams-per-connection", type=int, default=d.max_streams_per_peer,
                    help=f"open GenerateStream calls per client connection before RESOURCE_EXHAUSTED "
                         f"(default {d.max_streams_per_peer})")
@@ -125,7 +134,8 @@ def limits_from(args):
     return ServeLimits(max_stop_strings=args.max_stop_strings, max_stop_bytes=args.max_stop_bytes,
                        max_stop_token_ids=args.max_stop_token_ids, max_prompt_bytes=args.max_prompt_bytes,
                        max_streams_per_peer=args.max_streams_per_connection, max_streams=args.max_streams,
-                       stream_idle_timeout_s=args.stream_idle_timeout)
+                       stream_idle_timeout_s=args.stream_idle_timeout, max_messages=args.max_messages,
+                       max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth)
 
 
 def _exit_now(signum, frame):

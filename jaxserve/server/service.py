@@ -22,7 +22,7 @@ from jaxserve.server.auth import ApiKeys
 from jaxserve.server.engine_loop import EngineLoop, RequestStream
 from jaxserve.server.errors import ServeError
 from jaxserve.server.generations import Generations, choice_events, terminal
-from jaxserve.server.limits import ServeLimits, StreamSlots, check_stop, check_text, watch_unread
+from jaxserve.server.limits import ServeLimits, StreamSlots, check_chat, check_stop, check_text, watch_unread
 from jaxserve.v1 import jaxserve_pb2 as pb
 from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
 
@@ -210,13 +210,14 @@ class JaxServeService(pb_grpc.JaxServeServicer):
     async def prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
         """The request's prompt as ids (texts and conversations within --max-prompt-bytes,
         tokenized off the event loop)."""
+        max_messages = self.limits.max_messages
         if req.messages:
-            check_text("".join(m.content for m in req.messages), self.limits, "the messages")
+            check_chat(req.messages, self.limits)  # before templating them
         elif req.WhichOneof("prompt") != "text":
-            return convert.prompt_ids(req, self.llm.tokenizer)
+            return convert.prompt_ids(req, self.llm.tokenizer, max_messages)
         else:
             check_text(req.text, self.limits)  # before tokenizing it
-        return await self.off_loop(req.text, convert.prompt_ids, req, self.llm.tokenizer)
+        return await self.off_loop(req.text, convert.prompt_ids, req, self.llm.tokenizer, max_messages)
 
     async def open_stream(self, req: pb.GenerateRequest, context, handoff: dict) -> RequestStream:
         """Validate and submit a KV handoff request (KvHandoff.Prefill); the caller reads its
