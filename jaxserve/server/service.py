@@ -90,6 +90,9 @@ class JaxServeService(pb_grpc.JaxServeServicer):
             outcome = self._cancel_outcome(context)
             raise
         except Exception as e:
+            if self._client_gone(context, "Generate", e):
+                outcome = "cancelled"
+                return None
             log.exception("Generate failed")
             closed = self._close(stream, "Generate", "internal")
             await context.abort(grpc.StatusCode.INTERNAL, errors.internal(e).message)
@@ -166,6 +169,9 @@ class JaxServeService(pb_grpc.JaxServeServicer):
             context.set_details(f"no stream event read for {self.limits.stream_idle_timeout_s:g}s; "
                                 f"cancelled (--stream-idle-timeout)")
         except Exception as e:
+            if self._client_gone(context, rpc, e):  # a write to a client that has left
+                outcome = "cancelled"
+                return
             log.exception("%s failed", rpc)
             closed = self._close(stream, rpc, "internal")
             await context.abort(grpc.StatusCode.INTERNAL, errors.internal(e).message)
@@ -235,6 +241,16 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         # server's fires, so "expired" allows a little slack.
         remaining = context.time_remaining()
         return "deadline_exceeded" if remaining is not None and remaining < 0.05 else "cancelled"
+
+    @staticmethod
+    def _client_gone(context, rpc: str, error: Exception) -> bool:
+        """An exception raised because the client has gone (grpc fails the write or the
+        status it could no longer receive, sometimes before it cancels the handler): the
+        outcome is ``cancelled``, logged once at INFO when the call is closed, no traceback."""
+        if not context.cancelled():
+            return False
+        log.debug("%s: the client went away (%s: %s)", rpc, type(error).__name__, error)
+        return True
 
     def _close(self, stream: RequestStream | None, rpc: str, outcome: str) -> bool:
         return self.generations.finish(stream, rpc, outcome)

@@ -99,7 +99,8 @@ def token_ids(name: str, ids, param: str | None = None) -> list[int]:
         raise _bad(name, "must be a list of token ids", param)
     bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= INT32_MAX), None)
     if bad is not None:
-        raise _bad(name, f"must hold token ids in [0, {INT32_MAX}], got {_short(bad)}", param)
+        raise _bad(name, f"holds token id {_short(bad)}, outside the vocabulary (and the int32 range "
+                         f"[0, {INT32_MAX}])", param)
     return ids
 
 
