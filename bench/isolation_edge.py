@@ -119,11 +119,13 @@ def chunked_body(port: int, pid: int, total: int = 100 << 20) -> dict:
             "status": reply.split(b"\r\n")[0].decode(errors="replace"), "seconds": elapsed}
 
 
-def post(port: int, path: str, body: dict, timeout: float = 120) -> int:
+def post(port: int, path: str, body, timeout: float = 120) -> int:
+    """POST `body` (a dict, or JSON bytes encoded once by the caller) -> the status."""
     import http.client
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+    data = body if isinstance(body, bytes) else json.dumps(body)
+    conn.request("POST", path, data, {"content-type": "application/json"})
     r = conn.getresponse()
     r.read()
     conn.close()
@@ -142,8 +144,8 @@ def latencies(port: int, n: int) -> list[float]:
 
 
 def under_chats(port: int, n: int, clients: int = 4, messages: int = 10_000) -> tuple[list[float], dict]:
-    chat = {"model": MODEL, "max_tokens": 2,
-            "messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": "hi"} for i in range(messages)]}
+    chat = json.dumps({"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": "hi"} for i in range(messages)]}).encode()
     stop, statuses = threading.Event(), {}
 
     def abuse():
