@@ -55,6 +55,10 @@ class ServerMetrics:
                                      registry=r)
         self.serving = Gauge("jaxserve_serving", "1 when warmed up and accepting requests", registry=r)
         self.info = Info("jaxserve_model", "The served model and its formats", registry=r)
+        self.matmul_weights = Gauge(
+            "jaxserve_matmul_path_weights", "Stored weights per phase by the matmul path that runs them "
+            "(refused=1: the format's kernel refused them, the path is its fallback)", ["phase", "path", "refused"],
+            registry=r)
         # KV handoff (prefill and decode workers, jaxserve.server.handoff_service).
         self.handoff_offers = Counter("jaxserve_kv_handoff_offers", "KV offers made (prefill worker)", registry=r)
         self.handoff_open = Gauge("jaxserve_kv_handoff_open_offers", "KV offers awaiting a pull or release", registry=r)
@@ -73,6 +77,16 @@ class ServerMetrics:
         self._seen_mismatches: dict[str, int] = {}
         self._seen_checks = 0
         self._seen_rows = 0
+
+    def set_matmul_paths(self, rows_by_phase: dict) -> None:
+        """From ``ModelRunner.weight_path_rows()``: weights per (phase, path, refused)."""
+        for phase, rows in rows_by_phase.items():
+            counts: dict = {}
+            for row in rows:
+                key = (row.path, "1" if row.refused else "0")
+                counts[key] = counts.get(key, 0) + 1
+            for (path, refused), n in counts.items():
+                self.matmul_weights.labels(phase, path, refused).set(n)
 
     def sync_engine(self, snap) -> None:
         """Engine thread, after each step, from ``LLMEngine.snapshot()``: KV gauges and the
