@@ -78,7 +78,7 @@ def main(model: str, coordinator: str, step_port: str, process_id: str, out: str
     return 0
 
 
-ROLES_ENGINE = dict(ENGINE, num_pages=16)  # 2 prompt pages; handoff buckets of 4, 8 and 16 pages
+ROLES_ENGINE = dict(ENGINE, num_pages=8)  # 2 prompt pages of 8; handoff buckets of 4 and 8 pages
 DECODE_TOKENS = 6
 
 

@@ -104,8 +104,8 @@ def assert_same_logprobs(got: list[tuple[int, float, dict]], ref: list[tuple[int
         np.testing.assert_allclose(a, b, rtol=0, atol=ATOL, err_msg=f"max gap {np.abs(a - b).max():.3g}")
 
 
-def run_worker_group(tmp_path, mode: list[str], model: str, out) -> None:
-    """``multihost_worker`` [mode] on 2 processes; both must exit 0 within the bound."""
+def run_worker_group(tmp_path, mode: list[str], model: str, out, timeout_s: float = 150) -> None:
+    """``multihost_worker`` [mode] on 2 processes; both must exit 0 within ``timeout_s``."""
     coord, step = f"127.0.0.1:{free_port()}", str(free_port())
     cmd = [sys.executable, "-m", "tests.server.multihost_worker", *mode, model, coord, step]
     logs = [tmp_path / f"process{i}.log" for i in (1, 0)]  # files: a full pipe cannot block a process
@@ -113,7 +113,7 @@ def run_worker_group(tmp_path, mode: list[str], model: str, out) -> None:
                               stderr=subprocess.STDOUT) for i, log in zip((1, 0), logs)]
     try:
         for p in procs:
-            p.wait(timeout=150)
+            p.wait(timeout=timeout_s)
     finally:
         for p in procs:
             p.kill()
@@ -143,7 +143,7 @@ def test_prefill_and_decode_workers_over_two_processes(moe, tmp_path):
     from jaxserve.kv.handoff import KvPayload, digest_hex
 
     out = tmp_path / "roles.npz"
-    run_worker_group(tmp_path, ["roles"], moe, out)
+    run_worker_group(tmp_path, ["roles"], moe, out, timeout_s=300)
     got = np.load(out)
     params = SamplingParams(max_tokens=worker.DECODE_TOKENS, ignore_eos=True)
     want = list(LLM(moe, kv_format="bf16", num_devices=8, **worker.ROLES_ENGINE).generate([worker.PROMPT], params)[0])
