@@ -170,14 +170,13 @@ class HandoffRunnerMixin:
 
 
 def weights_digest(leaves) -> str:
-    """sha256 over every array's index, dtype and device digest (``array_digests``): the same
+    """sha256 over every array's index, dtype and device digest (``array_digest``): the same
     for the same weights whatever the mesh and the processes (each device hashes its own
     blocks; the sums are added over the mesh), and zero padding (the vocabulary padded for a
     mesh) adds nothing. A collective over the arrays' devices: every process calls it."""
-    leaves = list(leaves)
-    lanes = np.asarray(_local(_digests(leaves)), np.uint32)
     h = hashlib.sha256()
-    for i, (leaf, d) in enumerate(zip(leaves, lanes)):
+    for i, leaf in enumerate(leaves):
+        d = np.asarray(_local(_digest_fn(leaf)(leaf)), np.uint32)
         h.update(f"{i}:{np.dtype(leaf.dtype).name}:{int(d[0]):08x}{int(d[1]):08x};".encode())
     return h.hexdigest()
 
@@ -186,12 +185,16 @@ def _local(x):
     return x if x.is_fully_addressable else x.addressable_data(0)
 
 
-def _digests(leaves) -> jax.Array:
-    """uint32 [L, 2]: ``array_digests`` of each leaf, replicated where the leaves span processes."""
-    mesh = next((x.sharding.mesh for x in leaves if not getattr(x, "is_fully_addressable", True)), None)
-    fn = jax.jit(lambda xs: jnp.stack([array_digest(x) for x in xs]) if xs else jnp.zeros((0, 2), jnp.uint32),
-                 out_shardings=replicated(mesh) if mesh is not None else None)
-    return fn(leaves)
+_DIGEST_FNS: dict = {}
+
+
+def _digest_fn(leaf):
+    """``array_digest`` jitted (one program per leaf shape, so a model's layers share a few); its
+    result replicated where the leaf spans processes, so every process holds it."""
+    mesh = None if getattr(leaf, "is_fully_addressable", True) else leaf.sharding.mesh
+    if mesh not in _DIGEST_FNS:
+        _DIGEST_FNS[mesh] = jax.jit(array_digest, out_shardings=replicated(mesh) if mesh is not None else None)
+    return _DIGEST_FNS[mesh]
 
 
 _AXIS_KEY = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1, 0xD3A2646C)

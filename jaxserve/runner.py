@@ -107,8 +107,7 @@ class ModelRunner(HandoffRunnerMixin, ProgramsRunnerMixin):
         self.weight_formats, states = phase_states(state, prefill_weights, decode_weights, mesh, quantize_tied_head,
                                                    prefill_from_decode_weights,
                                                    only="prefill" if role == "prefill" else None)
-        if mesh is not None:  # where each stored weight is split: the per-device kernels read it
-            states = record_phase_specs(states)
+        states = record_phase_specs(states) if mesh is not None else states  # each weight's split, for kernels
         self.phase_params = {p: jax.tree.flatten(s) for p, s in states.items()}
         if states["prefill"] is states.get("decode"):  # (record_phase_specs keeps a shared state shared)
             self.phase_params["prefill"] = self.phase_params["decode"]
