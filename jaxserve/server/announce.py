@@ -25,6 +25,11 @@ def log_listening(server) -> None:
              server.http_target or "off")
     for phase in ("prefill", "decode"):
         log.info("%s matmuls: %s", phase, getattr(info, phase).matmul_path)
+    for phase, rows in server.llm.runner.weight_path_rows().items():
+        for row in rows:
+            if row.refused:
+                log.warning("%s matmuls: %s (%s) runs on %s, not the %s kernel: %s", phase, row.name, row.format,
+                            row.path, row.format, row.refused)
     m = info.memory
     log.info("memory: weights %s B prefill, %s B decode, %s B resident; KV %s B = %d pages x %d tokens "
              "(%d B/token, %s tokens)", f"{m.weight_bytes_prefill:,}", f"{m.weight_bytes_decode:,}",
