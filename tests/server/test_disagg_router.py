@@ -142,8 +142,8 @@ def handed_off(cluster, fp8):
         assert offer.kv_layout == layout and offer.cached_tokens > 0
         params = SamplingParams(**{**kw, "seed": offer.sampling_seed})
         data = pull_bytes(addr, offer, creds=PEER)
+        assert release(addr, offer, creds=PEER)  # before the reference runs: the offer lives TTL_S only
         want = import_reference(fp8, offer, payload_of(fp8, offer, data), params, f"ref-{name}")
-        assert release(addr, offer, creds=PEER)
         out[name] = (want, offer.cached_tokens)
     return out
 
@@ -193,16 +193,18 @@ def test_every_service_needs_the_key_but_health_and_reflection(cluster, certs):
     offer = prefill(paddr, req, layout, creds=PEER)  # a live offer: another tenant's KV
     assert offer.address == f"localhost:{paddr.rsplit(':', 1)[1]}"  # the advertised host, not the bound one
     nokey = PeerCredentials(PEER.ca, PEER.cert, PEER.key)
-    for md in ((), (("authorization", f"Bearer {ROUTER_KEY}"),), (("x-api-key", "nope"),)):
-        md = md or None
-        with nokey.channel(paddr) as ch:
-            h = hpb_grpc.KvHandoffStub(ch)
+    mds = (None, (("authorization", f"Bearer {ROUTER_KEY}"),), (("x-api-key", "nope"),))
+    with nokey.channel(paddr) as ch:  # quickly: the offer lives TTL_S
+        h = hpb_grpc.KvHandoffStub(ch)
+        for md in mds:
             assert _code(lambda: h.Prefill(hpb.PrefillRequest(request=req, target_kv_layout=layout), timeout=30,
                                            metadata=md)) == unauth
             assert _code(lambda: list(h.PullPages(hpb.PullPagesRequest(transfer_id=offer.transfer_id), timeout=30,
                                                   metadata=md))) == unauth
             assert _code(lambda: h.Release(hpb.ReleaseRequest(transfer_id=offer.transfer_id), timeout=30,
                                            metadata=md)) == unauth
+    assert release(paddr, offer, pulled=False, creds=PEER)  # still there: nothing above touched it
+    for md in mds:
         for name in ("decode_b", "decode_c"):
             with nokey.channel(addrs[name]) as ch:
                 h = hpb_grpc.KvHandoffStub(ch)
@@ -210,7 +212,6 @@ def test_every_service_needs_the_key_but_health_and_reflection(cluster, certs):
                     assert _code(lambda: list(h.Decode(dreq, timeout=30, metadata=md))) == unauth, name
                 assert _code(lambda: pb_grpc.JaxServeStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=30,
                                                                             metadata=md)) == unauth
-    assert release(paddr, offer, pulled=False, creds=PEER)  # still there: nothing above touched it
     for addr in (paddr, addrs["decode_b"]):
         with nokey.channel(addr) as ch:
             status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status
@@ -276,14 +277,16 @@ def test_a_wrong_ca_or_plaintext_fails_closed_with_the_reason(cluster, tmp_path,
         finally:
             await ch.close()
 
-    for creds in (wrong, PeerCredentials(api_key=WORKER_KEY)):
+    bad = (wrong, PeerCredentials(api_key=WORKER_KEY))  # another CA; plaintext
+    for creds in bad:
         with pytest.raises(PullError) as e:
             asyncio.run(pull(creds))
         assert e.value.cause == "peer_unavailable" and "UNAVAILABLE" in str(e.value), e.value
+    assert release(paddr, offer, pulled=False, creds=PEER)  # the failed pulls left it in place
+    for creds in bad:
         with pytest.raises(grpc.RpcError) as e:
             generate_disaggregated(paddr, addrs["decode_b"], build_request(ids, **kw), credentials=creds, timeout=10)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert release(paddr, offer, pulled=False, creds=PEER)  # the failed pulls left it in place
     workers = [(paddr, "prefill"), (addrs["decode_b"], "decode")]
     with caplog.at_level(logging.WARNING, logger="jaxserve.router"):
         with RouterThread(workers, peer=wrong, metrics_port=None, health_interval_s=0.2) as rt:
