@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 
+from jaxserve.server import announce
 from jaxserve.server.client_cli import register_client
 from jaxserve.server.group import add_group_args
 
@@ -254,13 +255,7 @@ async def _serve(args, llm, keys, credentials, leader=None) -> tuple[int, bool]:
         print(f"jaxserve: OpenAI-compatible HTTP API on {server.http_target} (model "
               f"{server.served_model_name!r})", flush=True)
     _warn_if_exposed(args.host, keys, credentials)
-    if server.handoff is not None:
-        print(f"jaxserve: KV handoff: offers name {server.advertised}; calls to workers {args.peer.describe()}",
-              flush=True)
-        if args.kv_transport == "transfer" and (credentials is not None or args.peer.tls):
-            log.warning("--kv-transport transfer: the KV bytes move over jax.experimental.transfer's own sockets, "
-                        "unencrypted and unauthenticated, whatever the TLS settings (use grpc across untrusted "
-                        "networks)")
+    announce.log_handoff(server, args.peer, args.kv_transport)
     ready = asyncio.ensure_future(server.wait_ready())
     stopping = asyncio.ensure_future(stop.wait())
     lost = asyncio.ensure_future(server.replica_lost.wait())
