@@ -5,9 +5,10 @@ row (an error, a timeout or another status) take it down: its in-flight calls ar
 (``Attempt.lost`` tells the relay that the worker, not the client, ended them), its prefix
 entries are forgotten, and it is skipped until a check answers SERVING again. Each good check
 also refreshes its ``ModelInfo`` (page size, free KV pages, limits) for the routing policy.
-Channels are made by the pool's ``PeerCredentials`` (TLS, client certificate); a check that
-fails on the connection itself (a certificate the CA does not sign, TLS against plaintext) is
-logged with grpc's reason each time the reason changes.
+Channels are made by the pool's ``PeerCredentials`` (TLS, client certificate). Why a check
+failed is grpc's status and details (a certificate the CA does not sign, TLS against
+plaintext, a refused connection, a timeout): logged for a worker that is not up each time the
+reason changes, and with the "is down" line for one that was.
 """
 from __future__ import annotations
 
@@ -155,6 +156,8 @@ class WorkerPool:
         try:
             resp = await worker.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.timeout_s)
             ok = resp.status == _SERVING
+            if not ok:  # warming up or draining: the worker answers, nothing to log
+                worker.last_error = "health " + health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
         except grpc.RpcError as e:
             ok = False
             self._check_error(worker, f"{e.code().name}: {e.details()}")
@@ -181,9 +184,9 @@ class WorkerPool:
 
     @staticmethod
     def _check_error(worker: Worker, reason: str) -> None:
-        if reason != worker.last_error:
-            worker.last_error = reason
+        if reason != worker.last_error and not worker.up:
             log.warning("health check of worker %s (%s) failed: %s", worker.address, worker.role, reason)
+        worker.last_error = reason
 
     @staticmethod
     def _role_fits(worker: Worker) -> bool:
@@ -201,8 +204,8 @@ class WorkerPool:
 
     def mark_down(self, worker: Worker) -> None:
         worker.up = False
-        log.warning("worker %s (%s) is down; moving %d call(s) in flight", worker.address, worker.role,
-                    len(worker.attempts))
+        log.warning("worker %s (%s) is down (%s); moving %d call(s) in flight", worker.address, worker.role,
+                    worker.last_error or "not SERVING", len(worker.attempts))
         for attempt in list(worker.attempts):
             attempt.abandon()
         self.on_change(worker)
