@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import time
 from typing import Callable
@@ -27,8 +28,8 @@ from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.output_processor import OutputProcessor
-from jaxserve.engine.outputs import Completion, EngineSnapshot, RequestOutput, StepRecord
-from jaxserve.engine.sampler import sample_sequences
+from jaxserve.engine.outputs import Completion, EngineSnapshot, RequestFailed, RequestOutput, StepRecord
+from jaxserve.engine.sampler import RowError, sample_sequences
 from jaxserve.engine.warmup import step_bucket, warm_engine
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
@@ -41,6 +42,8 @@ from jaxserve.program_cache import ProgramCache
 from jaxserve.programs import ProgramSet
 from jaxserve.runner import ModelRunner, bucket, pick_bucket, step_name, token_buckets
 from jaxserve.engine.speculative.setup import make_speculative
+
+log = logging.getLogger("jaxserve.engine")
 
 
 class LLMEngine(KvHandoffMixin):
@@ -264,11 +267,20 @@ class LLMEngine(KvHandoffMixin):
             self.bm.free(key)
 
     def _sample(self, logits, rows: list[tuple[int, Sequence]], events) -> None:
-        if not rows:
+        """Sample each row's token and hand it to the output processor. A row whose own
+        inputs cannot be sampled, or whose detokenization / stop check raises, fails alone
+        (``_fail``); the other rows' tokens are those they would have had without it."""
+        while rows:
+            try:
+                tokens, lp, top_ids, top_lp, n_lp = sample_sequences(
+                    logits, rows, self.cfg.vocab_size, self.config.batch_invariant, self.runner.programs,
+                    build=not self.runner.warm)
+                break
+            except RowError as e:  # sample the others again without that row
+                self._fail(rows[e.row][1], "sample", e.cause)
+                rows = rows[: e.row] + rows[e.row + 1:]
+        else:
             return
-        tokens, lp, top_ids, top_lp, n_lp = sample_sequences(
-            logits, rows, self.cfg.vocab_size, self.config.batch_invariant, self.runner.programs,
-            build=not self.runner.warm)
         now = time.perf_counter()
         for j, (_, s) in enumerate(rows):
             if s.finished:
@@ -278,9 +290,13 @@ class LLMEngine(KvHandoffMixin):
             self._emit(s, int(tokens[j]), float(lp[j]), top, now, events)
 
     def _emit(self, s: Sequence, tok: int, logprob: float, top, now: float, events) -> bool:
-        """Append one token to ``s``; -> whether the request finished with it."""
+        """Append one token to ``s``; -> whether the request finished with it (or failed alone)."""
         events.setdefault(s.request_id, []).append(tok)
-        reason = self.outputs.append(s, tok, logprob, top, now)
+        try:
+            reason = self.outputs.append(s, tok, logprob, top, now)
+        except Exception as e:
+            self._fail(s, "detokenize / stop check", e)
+            return True
         if reason is not None:
             self._finish(s, reason)
         return s.finished
@@ -290,6 +306,12 @@ class LLMEngine(KvHandoffMixin):
         b, t = step_bucket(self, "verify", bucket(n), self.spec.verify_tokens)
         built = not self.runner.warm or self.runner.programs is None or step_name("verify", b, t) in self.programs
         return (b, t) if built else None
+
+    def _fail(self, s: Sequence, stage: str, cause: Exception) -> None:
+        """Abort one request whose own processing raised: its pages are freed and its last
+        output carries a ``RequestFailed``; logged once, with the traceback (a bug to fix)."""
+        log.error("request %s failed in %s; aborting it alone", s.request_id, stage, exc_info=cause)
+        self._finish(s, "abort", RequestFailed(s.request_id, stage, cause))
 
     def _finish(self, s: Sequence, reason: str, error: Exception | None = None) -> None:
         if s.finished:
