@@ -264,9 +264,8 @@ class OpenAIFrontEnd:
             body["choices"] = [api.choice(req, i, texts[i], ends[i][0], self._logprobs(req, ids[i], lps[i], 0))
                                for i in range(n)]
             first = ends[0][1]
-            body["usage"] = api.usage(first.prompt_tokens, sum(e[1].completion_tokens for e in ends),
-                                      first.cached_tokens, sum(e[1].draft_tokens for e in ends),
-                                      sum(e[1].accepted_draft_tokens for e in ends))
+            sums = [sum(getattr(e[1], f) for e in ends) for f in ("completion_tokens", "draft_tokens", "accepted_draft_tokens")]
+            body["usage"] = api.usage(first.prompt_tokens, sums[0], first.cached_tokens, *sums[1:])
             return body, 200
         except ServeError as e:
             outcome = e.outcome
