@@ -90,15 +90,19 @@ class Scheduler:
                 # cause, instead of crashing the engine or reading pages it no longer owns.
                 batch.append(seq)
                 continue
+            want = seq.total_len + len(seq.draft_ids)  # speculative draft tokens need slots too
+            if seq.draft_ids and not self.bm.can_append_slots(seq.request_id, want):
+                seq.draft_ids, want = [], seq.total_len  # ... but never preempt anyone
             while True:
                 try:
-                    new_pages = self.bm.append_slots(seq.request_id, seq.total_len)
+                    new_pages = self.bm.append_slots(seq.request_id, want)
                     break
                 except NoFreePagesError:
                     victim = self._newest_running()
                     self.preempt(victim)
                     if victim is seq:
                         break
+                    seq.draft_ids, want = [], seq.total_len
             if seq.status is not Status.RUNNING:
                 continue
             self._sync_pages(seq, new_pages)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from jaxserve.server import convert, errors
+from jaxserve.server import errors
 from jaxserve.structured.spec import StructuredOutput
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar", "guided_choice": "choice"}
@@ -139,8 +139,8 @@ def parse(body: dict, chat: bool) -> AgentRequest:
     return req
 
 
-def check_messages(messages) -> list[dict]:
-    """Chat messages: {role, content} as ``convert.check_messages`` takes them, plus a tool's
+def check_messages(messages, check) -> list[dict]:
+    """Chat messages: {role, content} as ``check`` (the plain messages' validator) takes them, plus a tool's
     result (role "tool", tool_call_id) and an assistant's tool_calls (content may be empty;
     each call's JSON arguments become a dict, as chat templates read them)."""
     plain, extra = [], {}
@@ -159,7 +159,7 @@ def check_messages(messages) -> list[dict]:
                 raise errors.invalid_argument(f"messages[{i}].tool_call_id must be a string")
             extra.setdefault(i, {}).update({k: m[k] for k in ("tool_call_id", "name") if m.get(k) is not None})
         plain.append(m)
-    out = convert.check_messages(plain)
+    out = check(plain)
     return [dict(m, **extra.get(i, {})) for i, m in enumerate(out)]
 
 
