@@ -27,6 +27,11 @@ def _params(tool: dict) -> dict:
 
 
 def _json(schema) -> str:
+    """A JSON value in the grammar: compact (", " and ": " separators, no other whitespace), so
+    a model cannot pad a call with whitespace until max_tokens."""
+    if isinstance(schema, dict):
+        schema = dict(schema, **{"x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
+                                                "key_separator": ": "}})
     return "%json " + json.dumps(schema, separators=(",", ":"))
 
 
