@@ -5,7 +5,7 @@ The numpy side decodes the stored bytes itself (nibbles, e4m3 codes, int8 codes,
 models each path's documented rounding: activations rounded to bf16 (bf16 and tile paths),
 weights dequantized in float32 then rounded to bf16 (tile paths), activations quantized per
 row to int8 (W8A8: then the whole product is integer and must match exactly) or to e4m3
-(the GPU fp8 dot). What is left is float32 accumulation, bounded by ``ACC * |x| @ |w|``.
+(the GPU fp8 dot), or not at all (the native CPU kernels, jaxserve.native). What is left is float32 accumulation, bounded by ``ACC * |x| @ |w|``.
 """
 import functools
 
@@ -45,7 +45,9 @@ def reference(name, x, w32):
     if name.endswith("w8a8"):
         xq, sx = quant_rows(x, 127, np.int8)
         return None, (xq, sx)  # exact integer check, done by the caller
-    if "fp8-dot" in name:
+    if "native" in name:  # stored values decoded to f32 in registers, f32 activations
+        xe, we = x64, w32.astype(np.float64)
+    elif "fp8-dot" in name:
         xq, sx = quant_rows(x, 448, ml_dtypes.float8_e4m3fn)
         xe, we = xq.astype(np.float64) * sx, w32.astype(np.float64)
     elif "tiles" in name:
