@@ -33,7 +33,7 @@ setup(
         sources=["jaxserve/native/csrc/matmul.cc"],
         depends=["jaxserve/native/csrc/kernels.inc"],
         language="c++",
-        extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes", "-Wno-return-type"],
+        extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes", "-Wno-return-type", "-Wno-psabi"],
         optional=True,
     )],
     cmdclass={"build_ext": BuildNative},

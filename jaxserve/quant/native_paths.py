@@ -14,6 +14,7 @@ Only the dense form is native; the grouped-by-expert (ragged) form stays XLA's.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +22,21 @@ import jax.numpy as jnp
 from jaxserve import native
 from jaxserve.quant.qweight import QuantizedWeight
 
-# Formats with a native path and the most rows it serves (measured, see the module docstring).
+# Formats with a native path and the most rows it serves (measured, see the module docstring);
+# JAXSERVE_NATIVE_ROWS="int8=8,bf16=1" overrides entries (for measuring; 0 = XLA's path).
 MAX_ROWS = {"int4": 8, "fp8": 8, "fp8_block": 8, "bf16": 8, "int8": 0}
+ROWS_ENV = "JAXSERVE_NATIVE_ROWS"
+
+
+def max_rows() -> dict[str, int]:
+    """MAX_ROWS with the JAXSERVE_NATIVE_ROWS overrides."""
+    out = dict(MAX_ROWS)
+    for part in filter(None, (p.strip() for p in os.environ.get(ROWS_ENV, "").split(","))):
+        fam, _, rows = part.partition("=")
+        if fam not in KERNELS or not rows.strip().isdigit():
+            raise ValueError(f"{ROWS_ENV}: {part!r} is not FAMILY=ROWS with FAMILY one of {sorted(KERNELS)}")
+        out[fam] = int(rows)
+    return out
 NUMERICS = "{kind}: stored bytes decoded to f32 in registers, f32 activations, f32 accumulation"
 
 
@@ -69,5 +83,5 @@ def native_cpu_paths(paths: dict) -> dict:
         return {}
     isa = native.status().isa
     return {(f, "cpu"): native_path(f, paths[(f, "cpu")], rows, isa)
-            for f, rows in MAX_ROWS.items() if rows > 0 and (f, "cpu") in paths}
+            for f, rows in max_rows().items() if rows > 0 and (f, "cpu") in paths}
 
