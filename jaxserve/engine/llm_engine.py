@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import time
 from typing import Callable
@@ -27,8 +28,8 @@ from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.output_processor import OutputProcessor
-from jaxserve.engine.outputs import Completion, EngineSnapshot, RequestOutput, StepRecord
-from jaxserve.engine.sampler import sample_sequences
+from jaxserve.engine.outputs import Completion, EngineSnapshot, RequestFailed, RequestOutput, StepRecord
+from jaxserve.engine.sampler import RowError, sample_sequences
 from jaxserve.engine.warmup import step_bucket, warm_engine
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
@@ -40,6 +41,8 @@ from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, TrackerStats, int
 from jaxserve.program_cache import ProgramCache
 from jaxserve.programs import ProgramSet
 from jaxserve.runner import ModelRunner, bucket, pick_bucket, token_buckets
+
+log = logging.getLogger("jaxserve.engine")
 
 
 class LLMEngine(KvHandoffMixin):
@@ -254,11 +257,20 @@ class LLMEngine(KvHandoffMixin):
             self.bm.free(key)
 
     def _sample(self, logits, rows: list[tuple[int, Sequence]], events) -> None:
-        if not rows:
+        """Sample each row's token and hand it to the output processor. A row whose own
+        inputs cannot be sampled, or whose detokenization / stop check raises, fails alone
+        (``_fail``); the other rows' tokens are those they would have had without it."""
+        while rows:
+            try:
+                tokens, lp, top_ids, top_lp, n_lp = sample_sequences(
+                    logits, rows, self.cfg.vocab_size, self.config.batch_invariant, self.runner.programs,
+                    build=not self.runner.warm)
+                break
+            except RowError as e:  # sample the others again without that row
+                self._fail(rows[e.row][1], "sample", e.cause)
+                rows = rows[: e.row] + rows[e.row + 1:]
+        else:
             return
-        tokens, lp, top_ids, top_lp, n_lp = sample_sequences(
-            logits, rows, self.cfg.vocab_size, self.config.batch_invariant, self.runner.programs,
-            build=not self.runner.warm)
         now = time.perf_counter()
         for j, (_, s) in enumerate(rows):
             if s.finished:
@@ -266,9 +278,19 @@ class LLMEngine(KvHandoffMixin):
             tok, n = int(tokens[j]), s.params.logprobs or 0
             top = {int(a): float(c) for a, c in zip(top_ids[j, :n], top_lp[j, :n])} if n_lp else None
             events.setdefault(s.request_id, []).append(tok)
-            reason = self.outputs.append(s, tok, float(lp[j]), top, now)
+            try:
+                reason = self.outputs.append(s, tok, float(lp[j]), top, now)
+            except Exception as e:
+                self._fail(s, "detokenize / stop check", e)
+                continue
             if reason is not None:
                 self._finish(s, reason)
+
+    def _fail(self, s: Sequence, stage: str, cause: Exception) -> None:
+        """Abort one request whose own processing raised: its pages are freed and its last
+        output carries a ``RequestFailed``; logged once, with the traceback (a bug to fix)."""
+        log.error("request %s failed in %s; aborting it alone", s.request_id, stage, exc_info=cause)
+        self._finish(s, "abort", RequestFailed(s.request_id, stage, cause))
 
     def _finish(self, s: Sequence, reason: str, error: Exception | None = None) -> None:
         if s.finished:

@@ -5,6 +5,16 @@ from __future__ import annotations
 import dataclasses
 
 
+class RequestFailed(RuntimeError):
+    """One request's own processing raised (``stage``: "sample", "detokenize / stop check"):
+    that request is aborted with this error (its pages freed); the step and the other
+    requests go on."""
+
+    def __init__(self, request_id: str, stage: str, cause: BaseException):
+        super().__init__(f"request {request_id!r} failed in {stage}: {type(cause).__name__}: {cause}")
+        self.request_id, self.stage, self.cause = request_id, stage, cause
+
+
 @dataclasses.dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
