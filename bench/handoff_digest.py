@@ -1,7 +1,16 @@
 """Start-up cost of the handoff fingerprint's weight hash on the default model (SmolLM2-135M):
-the old host sha256 over every leaf vs the device digest, same process, same leaves."""
-import hashlib, os, time, json
-import numpy as np, jax
+a host sha256 over every leaf (what it was) vs the device digest (``weights_digest``: the
+same for any mesh or process layout), same process, same leaves, side by side.
+
+    .venv/bin/python bench/handoff_digest.py   # -> bench/results/handoff_digest.json
+"""
+import hashlib
+import json
+import os
+import time
+
+import jax
+import numpy as np
 from flax import nnx
 from jaxserve.loader import load_model
 from jaxserve.handoff_programs import weights_digest
@@ -26,3 +35,6 @@ for rep in range(2):
     t = time.perf_counter(); old_digest(leaves); out.setdefault("sha256_s", []).append(time.perf_counter() - t)
     t = time.perf_counter(); weights_digest(leaves); out.setdefault("device_s", []).append(time.perf_counter() - t)
 print(json.dumps(out))
+os.makedirs("bench/results", exist_ok=True)
+with open("bench/results/handoff_digest.json", "w") as f:
+    json.dump(out, f, indent=1)

@@ -236,3 +236,14 @@ PATHS: dict[tuple[str, str], Path] = _registry()
 # What runs an int4 weight the Pallas kernel refuses (``refusal``), per kernel backend.
 FALLBACK: dict[str, Path] = {b: Path(f"{b}:int4-tiles-bf16", _DEQ, dequant_dense, dequant_ragged)
                              for b in ("gpu", "interpret")}
+
+
+def _with_native(paths: dict[tuple[str, str], Path]) -> dict[tuple[str, str], Path]:
+    """Native CPU kernels (jaxserve.quant.native_paths) over the XLA entries they beat."""
+    from jaxserve.quant.native_paths import native_cpu_paths
+
+    return {**paths, **native_cpu_paths(paths)}
+
+
+XLA_PATHS: dict[tuple[str, str], Path] = PATHS  # XLA's own formulations, whatever runs
+PATHS = _with_native(XLA_PATHS)
