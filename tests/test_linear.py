@@ -19,6 +19,7 @@ from jaxserve.quant import quantize
 from jaxserve.quant.linear import (BACKENDS, describe, embedding, expert_linear, head_columns, linear, matmul,
                                    path_for, ragged_matmul, tied_head, use_backend)
 from jaxserve.quant.paths import PATHS, XLA_PATHS, expert_of_row, family_of, tile_cols
+from jaxserve.quant.native_paths import max_rows
 from jaxserve.quant.phase import PhaseWeight
 from quant_reference import np_dequant32
 
@@ -63,8 +64,18 @@ def reference(name, x, w32):
     return xe @ we, ACC * (np.abs(xe) @ np.abs(we)) + 1e-30
 
 
+def running(path, rows: int, qw):
+    """The path that computes ``rows`` rows: a native path hands more rows than its kernel
+    takes (jaxserve.quant.native_paths.max_rows) to the XLA path it stands over."""
+    family = family_of(qw.format)
+    if "native" in path.name and rows > max_rows().get(family, 0):
+        return XLA_PATHS[(family, "cpu")]
+    return path
+
+
 def check(path, y, x, qw, w32):
     y = np.asarray(y, np.float64)
+    path = running(path, x.shape[0], qw)
     ref, bound = reference(path.name, x, w32)
     if ref is None:  # W8A8: int32 products are exact; only the two scale multiplies round
         xq, sx = bound
