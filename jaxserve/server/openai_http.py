@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 from jaxserve.server import convert, errors
 from jaxserve.server import openai_api as api
 from jaxserve.server.errors import ServeError
-from jaxserve.server.generations import choice_events, terminal
+from jaxserve.server.generations import choice_events, client_identity, terminal
 from jaxserve.server.limits import check_stop, check_text
 
 log = logging.getLogger("jaxserve.server")
@@ -166,7 +166,7 @@ class OpenAIFrontEnd:
                 self.service.slots.acquire(peer)
                 slot = True
             rid = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
-            stream = self.gens.submit(ids, params, rid, session, owner, arrival)
+            stream = self.gens.submit(ids, params, rid, session, owner, arrival, client=client_identity(owner, peer))
         except ServeError as e:
             if slot:
                 self.service.slots.release(peer)
