@@ -17,7 +17,9 @@ of the issue beside it:
 - malformed: JSON nested 100k deep, a lone surrogate, stream_options "x", 401-digit
   temperature / penalties over HTTP, random bytes as a gRPC Generate.
 The well-behaved client sends gRPC Generate calls one after another (20 prompt ids, 16
-tokens). `alone` is measured again at the end (`alone_again`: how much the machine's own load
+tokens), and the server's own timing of them (time to first token and total from the call's
+arrival at the server: what the engine's queue and steps cost, without the event loop's
+delivery). `alone` is measured again at the end (`alone_again`: how much the machine's own load
 drifted meanwhile). Per phase: its p50/p99 latency and the ratio to `alone` (goal <= 2), its failed
 calls, the abusers' outcomes (status codes), and the KV pages still held once the abuse has
 stopped (GetModelInfo kv_pages.used after --settle-s at most; goal 0). A benchmark, not a
@@ -31,6 +33,7 @@ import collections
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -149,6 +152,8 @@ class Phase:
         self.name = name
         self.measuring = False
         self.latency: list[float] = []
+        self.server_ttft: list[float] = []  # the server's own timing of the same calls: from arrival
+        self.server_total: list[float] = []  # at the server to the first token / to the end
         self.good_failed = collections.Counter()
         self.outcomes = collections.Counter()
 
@@ -169,6 +174,8 @@ async def good_client(target: str, phase: Phase, stop: asyncio.Event, rng: rando
                 await asyncio.sleep(0.05)
             if ok and phase.measuring:
                 phase.latency.append(time.perf_counter() - t)
+                phase.server_ttft.append(r.timing.time_to_first_token_s)
+                phase.server_total.append(r.timing.total_s)
 
 
 async def churn(args, target, phase: Phase, stop: asyncio.Event, rng: random.Random) -> None:
@@ -322,6 +329,7 @@ async def run(args, target, http) -> list[Phase]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` too stops the server (finally below)
     model = None if args.model == "default" else (args.model or tiny_model())
     t0 = time.monotonic()
     proc, target, http = start_server(args, model)
@@ -342,7 +350,9 @@ def main(argv=None) -> int:
         lat = pct(p.latency)
         ratio = {f"{q}_ratio": round(lat[f"{q}_ms"] / alone[f"{q}_ms"], 2) if lat["n"] and alone["n"] else None
                  for q in ("p50", "p99")}
-        rows[p.name] = dict(good=lat, **ratio, good_failed=dict(p.good_failed), pages_held_after=p.pages_held_after,
+        server = {f"server_{w}_p50_ms": round(float(np.percentile(xs, 50)) * 1e3, 1) if xs else None
+                  for w, xs in (("ttft", p.server_ttft), ("total", p.server_total))}
+        rows[p.name] = dict(good=lat, **ratio, **server, good_failed=dict(p.good_failed), pages_held_after=p.pages_held_after,
                             settle_s=p.settle_s, abuser_outcomes=dict(sorted(p.outcomes.items())))
     report = dict(server_root=args.server_root, model=args.model or "tiny (random 2-layer Llama, SmolLM2 tokenizer)",
                   serve_args=args.serve_arg, phase_s=args.phase_s, server_start_s=round(start_s, 1),
