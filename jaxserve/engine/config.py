@@ -36,7 +36,7 @@ class EngineConfig:
     max_slots_per_client: int | None = _field(
         None, "running requests one client may hold while another client waits (fair scheduling: past it, its "
               "newest gives way when the batch is full); a lone client may use every slot; 0 = no bound "
-              "(default: half of --max-num-seqs, rounded up)", type=int)
+              "(default: half the decode batch, max_num_seqs, rounded up)", type=int)
     enable_prefix_caching: bool = _field(True, "turn the prefix cache off", flag="--no-prefix-caching")
     integrity_check: bool = _field(True, "turn the KV page integrity check off", flag="--no-integrity-check")
     seed: int = _field(0, "seeds requests that give none", cli=False)
