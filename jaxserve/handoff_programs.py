@@ -14,14 +14,20 @@ import numpy as np
 from jaxserve.kv import handoff
 from jaxserve.kv.formats import KVFormat, get_kv_format, kv_format_names
 from jaxserve.kv.handoff import KvPayload, digest_hex
+from jaxserve.sharding import place, replicated
 
 
 class HandoffPrograms:
     """init_kv: the model's ``init_kv``; fmt: the pool's format; max_pages: the most pages one
     request can hold (the largest bucket)."""
 
-    def __init__(self, init_kv, architecture: str, fmt: KVFormat, page_size: int, max_pages: int):
+    def __init__(self, init_kv, architecture: str, fmt: KVFormat, page_size: int, max_pages: int, mesh=None,
+                 spans_processes: bool = False):
         self.fmt, self.page_size, self.architecture = fmt, page_size, architecture
+        # Over several processes an export's payload is gathered onto every device (a pool
+        # split by KV head has other processes' heads), so process 0 holds all of it.
+        self._out = replicated(mesh) if spans_processes else None
+        self.spans_processes = spans_processes
         self.buckets = []
         b = 4
         while b < max_pages:
@@ -71,7 +77,7 @@ class HandoffPrograms:
                 payload, d = handoff.gather_convert(kv, pages, n, src, target, axes, dst_axes)
                 return jax.tree.leaves(payload), d
 
-            self._jitted[key] = jax.jit(export)
+            self._jitted[key] = jax.jit(export, out_shardings=self._out) if self._out else jax.jit(export)
         return self._jitted[key]
 
     def _import_fn(self):
@@ -92,6 +98,8 @@ class HandoffPrograms:
         idx = np.zeros(b, np.int32)
         idx[: len(pages)] = pages
         leaves, d = self._export_fn(dst)(kv, jnp.asarray(idx), jnp.int32(len(pages)))
+        if self.spans_processes:  # replicated: this process's own copy
+            leaves, d = [x.addressable_data(0) for x in leaves], d.addressable_data(0)
         return handoff.KvPayload(dst, len(pages), b, leaves, d)
 
     def import_(self, kv, num_pool_pages: int, pages: list[int], payload: handoff.KvPayload, expected):
@@ -102,7 +110,10 @@ class HandoffPrograms:
                              f"{self.fmt.name} pages")
         idx = np.full(payload.bucket, num_pool_pages, np.int32)
         idx[: len(pages)] = pages
-        leaves = [jax.device_put(x, pool.sharding) for x, pool in zip(payload.leaves, jax.tree.leaves(kv))]
+        if self.spans_processes:  # every process places its own devices' slices of the same host payload
+            leaves = [place(np.asarray(x), pool.sharding) for x, pool in zip(payload.leaves, jax.tree.leaves(kv))]
+        else:
+            leaves = [jax.device_put(x, pool.sharding) for x, pool in zip(payload.leaves, jax.tree.leaves(kv))]
         return self._import_fn()(kv, leaves, jnp.asarray(idx), jnp.asarray(expected, jnp.uint32))
 
     def compiled(self) -> int:
@@ -112,16 +123,24 @@ class HandoffPrograms:
 
 class HandoffRunnerMixin:
     """``ModelRunner``'s KV handoff methods (its pools are ``self.kv``; ``self.handoff`` its
-    ``HandoffPrograms``)."""
+    ``HandoffPrograms``). Over several processes each call is first sent to the others
+    (``self._mirror``: "export", "import" with the payload's arrays, "handoff_warmup"), as the
+    program steps are, so every process runs the same programs on its shards."""
 
     def export_pages(self, pages: list[int], fmt: str) -> KvPayload:
         """A request's pages gathered out of the pool, converted to KV format ``fmt`` and
         digested on device (``HandoffPrograms.export``): a snapshot, the pool is not changed."""
+        if self._mirror is not None:
+            self._mirror("export", (np.asarray(pages, np.int32),), {"fmt": fmt})
         return self._counted(lambda: self.handoff.export(self.kv, pages, fmt), "KV export")
 
     def import_pages(self, pages: list[int], payload: KvPayload, expected) -> tuple[bool, str]:
         """Write ``payload`` into ``pages`` if its digest on device equals ``expected`` (uint32
         [2]); -> (ok, the digest found, as hex). A mismatch writes nothing."""
+        if self._mirror is not None:
+            self._mirror("import", (np.asarray(pages, np.int32), np.asarray(expected, np.uint32),
+                                    *(np.asarray(x) for x in payload.leaves)),
+                         {"fmt": payload.fmt, "num_pages": payload.num_pages, "bucket": payload.bucket})
         def run():
             self.kv, ok, got = self.handoff.import_(self.kv, self.num_pages, pages, payload, expected)
             return bool(ok), digest_hex(got)
@@ -138,6 +157,8 @@ class HandoffRunnerMixin:
     def warmup_handoff(self, export_formats: list[str], imports: bool) -> None:
         """Compile the KV export (to each of ``export_formats``) and import programs, every
         page-count bucket (the all-null page lists write nothing)."""
+        if self._mirror is not None:
+            self._mirror("handoff_warmup", (), {"formats": list(export_formats), "imports": bool(imports)})
         for b in self.handoff.buckets:
             pages = [0] * b
             for fmt in export_formats:
@@ -149,10 +170,43 @@ class HandoffRunnerMixin:
 
 
 def weights_digest(leaves) -> str:
-    """sha256 over arrays: per array its index, dtype and shape, then its bytes (in order)."""
+    """sha256 over every array's index, dtype and device digest (``array_digest``): the same
+    for the same weights whatever the mesh and the processes (each device hashes its own
+    blocks; the sums are added over the mesh), and zero padding (the vocabulary padded for a
+    mesh) adds nothing. A collective over the arrays' devices: every process calls it."""
     h = hashlib.sha256()
     for i, leaf in enumerate(leaves):
-        a = np.ascontiguousarray(np.asarray(leaf))
-        h.update(f"{i}:{a.dtype.name}:{a.shape};".encode())
-        h.update(a.reshape(-1).view(np.uint8))
+        d = np.asarray(_local(_digest_fn(leaf)(leaf)), np.uint32)
+        h.update(f"{i}:{np.dtype(leaf.dtype).name}:{int(d[0]):08x}{int(d[1]):08x};".encode())
     return h.hexdigest()
+
+
+def _local(x):
+    return x if x.is_fully_addressable else x.addressable_data(0)
+
+
+_DIGEST_FNS: dict = {}
+
+
+def _digest_fn(leaf):
+    """``array_digest`` jitted (one program per leaf shape, so a model's layers share a few); its
+    result replicated where the leaf spans processes, so every process holds it."""
+    mesh = None if getattr(leaf, "is_fully_addressable", True) else leaf.sharding.mesh
+    if mesh not in _DIGEST_FNS:
+        _DIGEST_FNS[mesh] = jax.jit(array_digest, out_shardings=replicated(mesh) if mesh is not None else None)
+    return _DIGEST_FNS[mesh]
+
+
+_AXIS_KEY = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1, 0xD3A2646C)
+
+
+def array_digest(x) -> jax.Array:
+    """uint32 [2]: sum over elements of bits * key(position), keyed by the element's index on
+    each axis (not its flat offset), so appending zeros along an axis changes nothing."""
+    u = handoff.as_u32(x)
+    pos = jnp.zeros(u.shape, jnp.uint32)
+    for d in range(u.ndim):
+        pos = pos + jax.lax.broadcasted_iota(jnp.uint32, u.shape, d) * jnp.uint32(_AXIS_KEY[d % len(_AXIS_KEY)])
+    lanes = [jnp.sum(u * ((pos * m + s) | jnp.uint32(1)), dtype=jnp.uint32)
+             for m, s in zip(handoff.DIGEST_MULT, handoff.DIGEST_SALT)]
+    return jnp.stack(lanes)

@@ -37,11 +37,12 @@ from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, pad_updates
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.attention_backends import get_backend
 from jaxserve.models.step import StepInput
-from jaxserve.buckets import bucket, pick_bucket, pow2_buckets, step_name, token_buckets  # noqa: F401 (re-exported)
-from jaxserve.quant.linear import describe, fixed_row_tiles, resolve_backend, use_backend
+from jaxserve.buckets import bucket, pick_bucket, pow2_buckets, step_name, token_buckets, weights_phase  # noqa: F401 (re-exported)
+from jaxserve.quant.linear import fixed_row_tiles, resolve_backend, use_backend
+from jaxserve.quant.report import WeightPath, describe_phase, weight_paths
 from jaxserve.runner_programs import ProgramsRunnerMixin
-from jaxserve.quant.phase import PhaseWeight, phase_states
-from jaxserve.sharding import MODEL_AXIS, Mesh, NamedSharding, PartitionSpec, replicated
+from jaxserve.quant.phase import phase_states, record_phase_specs
+from jaxserve.sharding import MODEL_AXIS, Mesh, NamedSharding, PartitionSpec, kernel_mesh, replicated
 
 
 log = logging.getLogger("jaxserve.runner")
@@ -96,8 +97,9 @@ class ModelRunner(HandoffRunnerMixin, ProgramsRunnerMixin):
         # kernels run over, per device under shard_map).
         self.attention, self.attention_backend = get_backend(attention_backend, mesh), attention_backend
         self.matmul_backend = resolve_backend(matmul_backend)
-        if self.matmul_backend == "interpret" and mesh is not None:
-            raise ValueError("the interpreted Pallas matmuls are single-device; use matmul_backend='cpu' with a mesh")
+        # The mesh reaches devices of other processes: outputs are replicated for process 0.
+        self.spans_processes = mesh is not None and any(
+            d.process_index != jax.process_index() for d in mesh.devices.flat)
         self.source_digest = weights_digest(jax.tree.leaves(state)) if role != "both" else ""
         if role == "decode":
             prefill_weights, prefill_from_decode_weights = None, True
@@ -105,10 +107,12 @@ class ModelRunner(HandoffRunnerMixin, ProgramsRunnerMixin):
         self.weight_formats, states = phase_states(state, prefill_weights, decode_weights, mesh, quantize_tied_head,
                                                    prefill_from_decode_weights,
                                                    only="prefill" if role == "prefill" else None)
+        states = record_phase_specs(states) if mesh is not None else states  # each weight's split, for kernels
         self.phase_params = {p: jax.tree.flatten(s) for p, s in states.items()}
-        if states["prefill"] is states.get("decode"):
+        if states["prefill"] is states.get("decode"):  # (record_phase_specs keeps a shared state shared)
             self.phase_params["prefill"] = self.phase_params["decode"]
-        self.handoff = HandoffPrograms(model.init_kv, self.cfg.architecture, fmt, page_size, self.max_pages_per_seq)
+        self.handoff = HandoffPrograms(model.init_kv, self.cfg.architecture, fmt, page_size, self.max_pages_per_seq,
+                                       mesh, self.spans_processes)
         self._commit_inputs(model.init_kv(num_pages, page_size, fmt))
         self.params, self.treedef = self.phase_params["prefill"]
         self._jitted: dict = {}
@@ -117,9 +121,6 @@ class ModelRunner(HandoffRunnerMixin, ProgramsRunnerMixin):
         self.strict = strict  # a compilation after warm-up raises (else it is logged and counted)
         self.compiles_after_warmup = 0
         self._mirror = None
-        # The mesh reaches devices of other processes: outputs are replicated for process 0.
-        self.spans_processes = mesh is not None and any(
-            d.process_index != jax.process_index() for d in mesh.devices.flat)
 
     def set_mirror(self, fn) -> None:
         """fn(kind, arrays, meta) runs before every device call of ``step`` ("step") and of the
@@ -151,13 +152,17 @@ class ModelRunner(HandoffRunnerMixin, ProgramsRunnerMixin):
 
     def weight_paths(self) -> dict[str, str]:
         """Per phase, the matmul paths its weights run on: 'int8 -> cpu:w8a8 (...)', one per
-        stored format ('as loaded -> xla:dot (...)' for plain arrays)."""
+        stored format ('as loaded -> xla:dot (...)' for plain arrays); the weights a kernel
+        refuses are named with the reason and the path that runs them instead."""
         out = {p: "not held (a prefill worker)" for p in ("prefill", "decode")}
-        for phase, (leaves, treedef) in self.phase_params.items():
-            stored = jax.tree.leaves(jax.tree.unflatten(treedef, leaves), is_leaf=lambda x: isinstance(x, PhaseWeight))
-            formats = sorted({x.qw.format for x in stored if isinstance(x, PhaseWeight)})
-            out[phase] = "; ".join(describe(f, self.matmul_backend) for f in formats) or describe(None, self.matmul_backend)
+        for phase, rows in self.weight_path_rows().items():
+            out[phase] = describe_phase(rows, self.matmul_backend)
         return out
+
+    def weight_path_rows(self) -> dict[str, list[WeightPath]]:
+        """Per phase held, every stored weight with the matmul path that runs it (``quant.report``)."""
+        return {phase: weight_paths(jax.tree.unflatten(treedef, leaves), self.matmul_backend, self.mesh)
+                for phase, (leaves, treedef) in self.phase_params.items()}
 
     def kv_sharding(self, kv):
         """MLA pools [P, S, X] have no head axis: replicated on every device (each head reads
@@ -173,24 +178,26 @@ class ModelRunner(HandoffRunnerMixin, ProgramsRunnerMixin):
         backend = self.attention
         treedef = self.phase_params[phase][1]
 
-        matmuls, rows = self.matmul_backend, self.row_tile
+        matmuls, rows, mesh = self.matmul_backend, self.row_tile, self.mesh
 
         def forward(params, kv, inp: StepInput):
             # Quantized weights enter as stored; every matmul reads them through quant.linear.
             model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-            with use_backend(matmuls), fixed_row_tiles(rows):
+            with use_backend(matmuls), fixed_row_tiles(rows), kernel_mesh(mesh):
                 return model(inp, kv, fmt, page_size, all_logits=all_logits, backend=backend)
 
         return forward
 
     def _program(self, name: str, all_logits: bool = False):
-        """The checked program `name` ("prefill" | "decode"), jitted once; with ``all_logits``
-        the scoring variant (logits at every position, not part of serving)."""
+        """The checked program `name` ("prefill" | "decode" | "verify": the decode weights with
+        logits at every position, speculative decoding's check of draft tokens), jitted once;
+        with ``all_logits`` the scoring variant (logits at every position, not part of serving)."""
         key = name + ("/all_logits" if all_logits else "")
-        if name not in self.phase_params:
-            raise RuntimeError(f"a {self.role} worker holds no {name} weights: it has no {name} program")
+        weights = weights_phase(name)
+        if weights not in self.phase_params:
+            raise RuntimeError(f"a {self.role} worker holds no {weights} weights: it has no {name} program")
         if key not in self._jitted:
-            forward, tracker = self._model_fn(all_logits, name), self.tracker
+            forward, tracker = self._model_fn(all_logits or name == "verify", weights), self.tracker
 
             def step(params, kv, generation, inp: StepInput, expected, num_pages_used):
                 # The integrity check is its own batched op, before any attention read.
@@ -239,20 +246,22 @@ class ModelRunner(HandoffRunnerMixin, ProgramsRunnerMixin):
              all_logits: bool = False) -> StepResult:
         """Run the checked `phase` program on padded numpy inputs; updates the KV pools. With
         ``all_logits`` (scoring, never while serving) the logits are [B, T, V] and its
-        compilations are not serving compilations."""
+        compilations are not serving compilations; "verify" (a serving program) returns
+        [B, T, V] too."""
         if self._mirror is not None:
             host = tuple(np.asarray(x, np.int32) for x in (tokens, cached_lens, new_lens, page_table, expected,
                                                            num_pages_used))
             self._mirror("step", host, {"phase": phase, "all_logits": all_logits})
-        if phase not in self.phase_params:
-            raise RuntimeError(f"a {self.role} worker holds no {phase} weights: it has no {phase} program")
+        weights = weights_phase(phase)
+        if weights not in self.phase_params:
+            raise RuntimeError(f"a {self.role} worker holds no {weights} weights: it has no {phase} program")
         inp = StepInput(
             tokens=jnp.asarray(tokens, jnp.int32),
             cached_lens=jnp.asarray(cached_lens, jnp.int32),
             new_lens=jnp.asarray(new_lens, jnp.int32),
             page_table=jnp.asarray(page_table, jnp.int32),
         )
-        args = (self.phase_params[phase][0], self.kv, self.generation, inp,
+        args = (self.phase_params[weights][0], self.kv, self.generation, inp,
                 jnp.asarray(expected, jnp.int32), jnp.asarray(num_pages_used, jnp.int32))
         b, t = inp.tokens.shape
         built = None if all_logits else self._built(step_name(phase, b, t), lambda: self._step_spec(phase, b, t))

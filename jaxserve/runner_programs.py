@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.buckets import step_name
+from jaxserve.buckets import step_name, weights_phase
 from jaxserve.models.step import StepInput
 from jaxserve.programs import ProgramSet, ProgramSpec
 
@@ -40,7 +40,7 @@ class ProgramsRunnerMixin:
         their placement."""
         z, zm = _int32(b), _int32(b, self.max_pages_per_seq)
         inp = StepInput(tokens=_int32(b, t), cached_lens=z, new_lens=z, page_table=zm)
-        placed = jax.tree.map(_abstract, (self.phase_params[phase][0], self.kv, self.generation))
+        placed = jax.tree.map(_abstract, (self.phase_params[weights_phase(phase)][0], self.kv, self.generation))
         return ProgramSpec(step_name(phase, b, t), self._program(phase), (*placed, inp, zm, z))
 
     def _updates_spec(self, size: int) -> ProgramSpec:
@@ -67,12 +67,15 @@ class ProgramsRunnerMixin:
             sizes.append(sizes[-1] * 2)
         return sizes
 
-    def program_specs(self, decode_batches: list[int], prefill_shapes: list[tuple[int, int]]) -> list[ProgramSpec]:
+    def program_specs(self, decode_batches: list[int], prefill_shapes: list[tuple[int, int]],
+                      verify_tokens: int = 0) -> list[ProgramSpec]:
         """Every serving program: the checked step per bucket (largest first; no decode bucket
-        for a worker without decode weights), and the generation update at every padded size."""
+        for a worker without decode weights; with ``verify_tokens`` (speculative decoding's
+        k + 1) a verify bucket per decode bucket), and the generation update at every padded size."""
         if "decode" not in self.phase_params:
             decode_batches = []
         shapes = [("decode", b, 1) for b in decode_batches] + [("prefill", b, t) for b, t in prefill_shapes]
+        shapes += [("verify", b, verify_tokens) for b in decode_batches if verify_tokens]
         specs = [self._step_spec(*s) for s in sorted(shapes, key=lambda s: (-s[1] * s[2], s[0]))]
         return specs + [self._updates_spec(size) for size in self.update_sizes()]
 
@@ -97,14 +100,16 @@ class ProgramsRunnerMixin:
         traced = self._program(phase).trace(*args, inp, m, b)
         return traced.lower(lowering_platforms=(platform,)) if platform else traced.lower()
 
-    def warmup(self, decode_batches: list[int], prefill_shapes: list[tuple[int, int]]) -> None:
+    def warmup(self, decode_batches: list[int], prefill_shapes: list[tuple[int, int]], verify_tokens: int = 0) -> None:
         """Compile every serving bucket now through the jit path (page tables of padding rows
         are all null): the warm-up of a runner without a ProgramSet (a mesh over several
         processes, where every call is mirrored to the followers)."""
         m = self.max_pages_per_seq
         if "decode" not in self.phase_params:
             decode_batches = []
-        for phase, shapes in (("decode", [(b, 1) for b in decode_batches]), ("prefill", prefill_shapes)):
+        verify = [(b, verify_tokens) for b in decode_batches if verify_tokens]
+        for phase, shapes in (("decode", [(b, 1) for b in decode_batches]), ("prefill", prefill_shapes),
+                              ("verify", verify)):
             for b, t in shapes:
                 z = np.zeros((b,), np.int32)
                 self.step(phase, np.zeros((b, t), np.int32), z, z, np.zeros((b, m), np.int32),

@@ -12,6 +12,8 @@ never sampled and never appear in log-probs.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
@@ -129,3 +131,45 @@ def place(arr, sharding: NamedSharding, dtype=None) -> jax.Array:
     dtype = np.dtype(dtype or arr.dtype)
     return jax.make_array_from_callback(tuple(arr.shape), sharding,
                                         lambda index: np.ascontiguousarray(arr[index], dtype=dtype))
+
+
+# ----------------------------------------------------------------------------- per-device kernels
+# A Pallas kernel is a per-device program: XLA cannot partition its call, so under a mesh every
+# kernel call runs inside shard_map on each device's shards. The mesh the kernels of a program
+# run over is a trace-time setting (the runner sets it around tracing, as the matmul backend).
+_KERNEL_MESH = contextvars.ContextVar("jaxserve_kernel_mesh", default=None)
+
+
+@contextlib.contextmanager
+def kernel_mesh(mesh: Mesh | None):
+    """Trace the kernel calls inside per device over ``mesh`` (None: one device)."""
+    token = _KERNEL_MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _KERNEL_MESH.reset(token)
+
+
+def current_kernel_mesh() -> Mesh | None:
+    """The mesh set by ``kernel_mesh`` (None outside it, or for a 1-device mesh)."""
+    mesh = _KERNEL_MESH.get()
+    return mesh if mesh is not None and mesh.shape[MODEL_AXIS] > 1 else None
+
+
+def per_device(body, mesh: Mesh, args, in_specs, out_specs):
+    """``body(*args)`` per device over ``mesh`` (axis ``MODEL_AXIS``) with shard_map: each device
+    gets the blocks ``in_specs`` give it. A context mesh of the same shape (an abstract
+    target-device mesh while lowering for another platform) stands in for ``mesh``: shard_map
+    requires the two to agree."""
+    ctx = jax.sharding.get_abstract_mesh() if hasattr(jax.sharding, "get_abstract_mesh") else None
+    if ctx is not None and not ctx.empty:
+        if dict(ctx.shape) != dict(mesh.shape):
+            raise ValueError(f"the context mesh {dict(ctx.shape)} does not match the model's mesh {dict(mesh.shape)}")
+        mesh = ctx
+    if hasattr(jax, "shard_map"):
+        f = jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False)
+    else:  # older jax
+        from jax.experimental.shard_map import shard_map
+
+        f = shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_rep=False)
+    return f(*args)

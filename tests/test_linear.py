@@ -5,7 +5,7 @@ The numpy side decodes the stored bytes itself (nibbles, e4m3 codes, int8 codes,
 models each path's documented rounding: activations rounded to bf16 (bf16 and tile paths),
 weights dequantized in float32 then rounded to bf16 (tile paths), activations quantized per
 row to int8 (W8A8: then the whole product is integer and must match exactly) or to e4m3
-(the GPU fp8 dot). What is left is float32 accumulation, bounded by ``ACC * |x| @ |w|``.
+(the GPU fp8 dot), or not at all (the native CPU kernels, jaxserve.native). What is left is float32 accumulation, bounded by ``ACC * |x| @ |w|``.
 """
 import functools
 
@@ -18,7 +18,7 @@ import pytest
 from jaxserve.quant import quantize
 from jaxserve.quant.linear import (BACKENDS, describe, embedding, expert_linear, head_columns, linear, matmul,
                                    path_for, ragged_matmul, tied_head, use_backend)
-from jaxserve.quant.paths import PATHS, expert_of_row, tile_cols
+from jaxserve.quant.paths import PATHS, XLA_PATHS, expert_of_row, family_of, tile_cols
 from jaxserve.quant.phase import PhaseWeight
 from quant_reference import np_dequant32
 
@@ -45,7 +45,9 @@ def reference(name, x, w32):
     if name.endswith("w8a8"):
         xq, sx = quant_rows(x, 127, np.int8)
         return None, (xq, sx)  # exact integer check, done by the caller
-    if "fp8-dot" in name:
+    if "native" in name:  # stored values decoded to f32 in registers, f32 activations
+        xe, we = x64, w32.astype(np.float64)
+    elif "fp8-dot" in name:
         xq, sx = quant_rows(x, 448, ml_dtypes.float8_e4m3fn)
         xe, we = xq.astype(np.float64) * sx, w32.astype(np.float64)
     elif "tiles" in name:
@@ -127,7 +129,7 @@ def test_ragged_matmul_per_expert(fmt, backend):
     sizes = np.array([3, 0, 5, 2], np.int32)
     w, x = rand((e, k, n), seed=6), rand((12, k), seed=7)  # 12 rows, 10 routed: the last 2 come out 0
     qw = quantize(w, fmt)
-    path = path_for(fmt, backend)
+    path = XLA_PATHS[(family_of(fmt), backend)]  # the grouped form is XLA's (no native ragged kernel)
     y = np.asarray(jax.jit(functools.partial(ragged_matmul, backend=backend))(jnp.asarray(x), qw, jnp.asarray(sizes)))
     w32, start = np_dequant32(qw), 0
     for i, s in enumerate(sizes):

@@ -60,8 +60,13 @@ def int4_runner():
                        decode_weights="int4:g32", matmul_backend="cpu")
 
 
-def test_int4_decode_program_holds_no_dense_weight(int4_runner):
-    hlo = int4_runner.lower("decode", 1).compile().as_text()
+@pytest.fixture(scope="module")
+def int4_decode_hlo(int4_runner):
+    return int4_runner.lower("decode", 1).compile().as_text()
+
+
+def test_int4_decode_program_holds_no_dense_weight(int4_decode_hlo):
+    hlo = int4_decode_hlo
     bufs = buffers(hlo)
     assert bufs, "no buffers parsed: the HLO format changed"
     smallest = 576 * 1536  # the MLP weights; the LM head is 576 x 49152
@@ -74,6 +79,17 @@ def test_int4_decode_program_holds_no_dense_weight(int4_runner):
     text = dense.lower(jax.ShapeDtypeStruct((2, 576), jnp.float32),
                        jax.ShapeDtypeStruct((576, 1536), jnp.float32)).compile().as_text()
     assert any(b[1] >= smallest for b in buffers(text))
+
+
+def test_int4_decode_program_calls_the_native_kernel(int4_decode_hlo):
+    """Where the native CPU kernels run (jaxserve.native), every int4 matmul of the decode
+    program is their custom call: 2 layers x 7 projections and the LM head."""
+    from jaxserve import native
+
+    if not native.available():
+        pytest.skip(f"native kernels: {native.status().reason}")
+    calls = re.findall(r'custom_call_target="(jaxserve_\w+)"', int4_decode_hlo)
+    assert calls.count("jaxserve_int4_w4a16") == 2 * 7 + 1, calls
 
 
 def _target_gpu():

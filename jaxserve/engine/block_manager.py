@@ -179,6 +179,20 @@ class BlockManager:
         seq.pages += new_pages
         return new_pages
 
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
+        """Shrink a sequence to the pages ``num_tokens`` tokens need (rejected draft tokens' rollback),
+        never below its committed pages; -> the pages released (generations bumped, as by ``free``)."""
+        seq = self._seq(seq_id)
+        keep = max(self.pages_for(num_tokens), len(seq.block_hashes))
+        released = seq.pages[keep:]
+        del seq.pages[keep:], seq.expected[keep:]
+        for page in reversed(released):
+            self.refcount[page] -= 1
+            if self.refcount[page] == 0:
+                self._bump(page)
+                self._free.append(page)
+        return released
+
     def commit_full_pages(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
         """Register the sequence's newly FULL pages in the prefix cache.
 

@@ -64,6 +64,16 @@ class EngineConfig:
     batch_invariant: bool = _field(False, "batch-invariant numerics: a request's log-probs are bitwise the same "
                                           "whatever else is batched with it, at some speed cost (matmuls and "
                                           "attention run over fixed row tiles)")
+    speculative: str | None = _field(None, "speculative decoding: ngram (prompt lookup: draft the tokens that "
+                                           "followed the latest earlier match of the last n tokens; lossless) | mtp "
+                                           "(not built yet; refused) (default: off)", type=str,
+                                     choices=("ngram", "mtp"))
+    num_speculative_tokens: int = _field(4, "draft tokens per request per verify step (--speculative)")
+    ngram_max: int = _field(3, "longest suffix n-gram the ngram proposer matches")
+    ngram_min: int = _field(1, "shortest suffix n-gram the ngram proposer matches")
+    speculative_min_acceptance: float = _field(
+        0.3, "a request's speculation pauses (for a doubling number of tokens) while its acceptance rate over "
+             "its last 16 draft tokens stays below this")
     role: str = _field("both", "both | prefill (prefill and KV export only) | decode (decode weights only; "
                                "handed-off KV imported)", cli=False)
     kv_handoff_format: str | None = _field(None, "KV format a prefill worker's exports are compiled for at warm-up "
@@ -86,6 +96,14 @@ class EngineConfig:
             from jaxserve.kv.formats import get_kv_format
 
             get_kv_format(self.kv_handoff_format)
+        if self.speculative not in (None, "ngram", "mtp"):
+            raise ValueError(f"speculative must be ngram or mtp, got {self.speculative!r}")
+        if self.speculative == "mtp":
+            raise ValueError("speculative='mtp' is not built yet (issue 31): use 'ngram'")
+        if self.num_speculative_tokens < 1 or not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("num_speculative_tokens must be >= 1 and 1 <= ngram_min <= ngram_max")
+        if not 0 <= self.speculative_min_acceptance <= 1:
+            raise ValueError(f"speculative_min_acceptance must be in [0, 1], got {self.speculative_min_acceptance}")
         if self.compile_workers < 0:
             raise ValueError(f"compile_workers must be >= 0, got {self.compile_workers}")
         if self.keep_finished < 0:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import time
 from typing import Callable
@@ -27,8 +28,8 @@ from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.output_processor import OutputProcessor
-from jaxserve.engine.outputs import Completion, EngineSnapshot, RequestOutput, StepRecord
-from jaxserve.engine.sampler import sample_sequences
+from jaxserve.engine.outputs import Completion, EngineSnapshot, RequestFailed, RequestOutput, StepRecord
+from jaxserve.engine.sampler import RowError, sample_sequences
 from jaxserve.engine.warmup import step_bucket, warm_engine
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
@@ -39,7 +40,10 @@ from jaxserve.models.attention_backends import default_backend
 from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, TrackerStats, integrity_errors
 from jaxserve.program_cache import ProgramCache
 from jaxserve.programs import ProgramSet
-from jaxserve.runner import ModelRunner, bucket, pick_bucket, token_buckets
+from jaxserve.runner import ModelRunner, bucket, pick_bucket, step_name, token_buckets
+from jaxserve.engine.speculative.setup import make_speculative
+
+log = logging.getLogger("jaxserve.engine")
 
 
 class LLMEngine(KvHandoffMixin):
@@ -82,6 +86,9 @@ class LLMEngine(KvHandoffMixin):
         cache = None if config.program_cache in (None, "off") else ProgramCache(config.program_cache)
         self.programs = ProgramSet(cache, self.runner.key_parts(), config.compile_workers or os.cpu_count() or 1)
         self.runner.use_programs(self.programs)
+        self.spec = make_speculative(config, self.cfg.vocab_size, self.max_model_len, self.bm)
+        if self.spec is not None:  # its auto-off weighs acceptance against the calls' measured cost
+            self.add_step_observer(self.spec.observe)
 
     def memory_report(self) -> dict:
         """What the engine holds: weight bytes per phase (and resident: shared arrays once), the
@@ -107,6 +114,7 @@ class LLMEngine(KvHandoffMixin):
             integrity_mismatches=dict(st.mismatches_by_cause), compiles_after_warmup=self.runner.compiles_after_warmup,
             preemptions=self.scheduler.num_preemptions,
             programs_compiled=self.programs.compiled, programs_loaded=self.programs.loaded,
+            **(self.spec.totals() if self.spec is not None else {}),
         )
 
     def add_step_observer(self, fn: Callable[[StepRecord], None]) -> Callable[[], None]:
@@ -170,6 +178,8 @@ class LLMEngine(KvHandoffMixin):
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        if self.spec is not None:  # draft tokens first: the scheduler maps their slots
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         self.runner.apply_generation_updates(*self.bm.take_generation_updates())
         events: dict[str, list[int]] = {}  # request id -> token ids sampled this step
@@ -190,7 +200,10 @@ class LLMEngine(KvHandoffMixin):
                     to_sample.append((i, c.seq))
             self._sample(res.logits, to_sample, events)
         decode = [s for s in sched.decode if not s.finished]
-        if decode:
+        verify = self._verify_bucket(len(decode)) if decode and self.spec is not None else None
+        if decode and self.spec is not None and self.spec.verifies(decode, verify):
+            self.spec.verify(decode, lambda rows: self._run("verify", rows, *verify), self._emit, events)
+        elif decode:
             rows = [(s, [s.output_ids[-1]], s.total_len - 1) for s in decode]
             res = self._run("decode", rows, *step_bucket(self, "decode", bucket(len(rows)), 1))
             to_sample = []
@@ -256,21 +269,51 @@ class LLMEngine(KvHandoffMixin):
             self.bm.free(key)
 
     def _sample(self, logits, rows: list[tuple[int, Sequence]], events) -> None:
-        if not rows:
+        """Sample each row's token and hand it to the output processor. A row whose own
+        inputs cannot be sampled, or whose detokenization / stop check raises, fails alone
+        (``_fail``); the other rows' tokens are those they would have had without it."""
+        while rows:
+            try:
+                tokens, lp, top_ids, top_lp, n_lp = sample_sequences(
+                    logits, rows, self.cfg.vocab_size, self.config.batch_invariant, self.runner.programs,
+                    build=not self.runner.warm)
+                break
+            except RowError as e:  # sample the others again without that row
+                self._fail(rows[e.row][1], "sample", e.cause)
+                rows = rows[: e.row] + rows[e.row + 1:]
+        else:
             return
-        tokens, lp, top_ids, top_lp, n_lp = sample_sequences(
-            logits, rows, self.cfg.vocab_size, self.config.batch_invariant, self.runner.programs,
-            build=not self.runner.warm)
         now = time.perf_counter()
         for j, (_, s) in enumerate(rows):
             if s.finished:
                 continue
-            tok, n = int(tokens[j]), s.params.logprobs or 0
+            n = s.params.logprobs or 0
             top = {int(a): float(c) for a, c in zip(top_ids[j, :n], top_lp[j, :n])} if n_lp else None
-            events.setdefault(s.request_id, []).append(tok)
-            reason = self.outputs.append(s, tok, float(lp[j]), top, now)
-            if reason is not None:
-                self._finish(s, reason)
+            self._emit(s, int(tokens[j]), float(lp[j]), top, now, events)
+
+    def _emit(self, s: Sequence, tok: int, logprob: float, top, now: float, events) -> bool:
+        """Append one token to ``s``; -> whether the request finished with it (or failed alone)."""
+        events.setdefault(s.request_id, []).append(tok)
+        try:
+            reason = self.outputs.append(s, tok, logprob, top, now)
+        except Exception as e:
+            self._fail(s, "detokenize / stop check", e)
+            return True
+        if reason is not None:
+            self._finish(s, reason)
+        return s.finished
+
+    def _verify_bucket(self, n: int) -> tuple[int, int] | None:
+        """The verify bucket for n decode rows, or None while warm-up has not built one."""
+        b, t = step_bucket(self, "verify", bucket(n), self.spec.verify_tokens)
+        built = not self.runner.warm or self.runner.programs is None or step_name("verify", b, t) in self.programs
+        return (b, t) if built else None
+
+    def _fail(self, s: Sequence, stage: str, cause: Exception) -> None:
+        """Abort one request whose own processing raised: its pages are freed and its last
+        output carries a ``RequestFailed``; logged once, with the traceback (a bug to fix)."""
+        log.error("request %s failed in %s; aborting it alone", s.request_id, stage, exc_info=cause)
+        self._finish(s, "abort", RequestFailed(s.request_id, stage, cause))
 
     def _finish(self, s: Sequence, reason: str, error: Exception | None = None) -> None:
         if s.finished:

@@ -132,7 +132,8 @@ class OutputProcessor:
             s.text if s.detok is not None else None,
             s.finish_reason,
             list(s.prompt_ids),
-            usage=Usage(len(s.prompt_ids), len(s.output_ids), s.num_cached_tokens),
+            usage=Usage(len(s.prompt_ids), len(s.output_ids), s.num_cached_tokens,
+                        *((s.spec.drafted, s.spec.accepted) if s.spec is not None else ())),
             timing=Timing(
                 s.first_token_time - s.arrival_time if s.first_token_time is not None else None,
                 end - s.arrival_time,

@@ -5,11 +5,29 @@ from __future__ import annotations
 import dataclasses
 
 
+class RequestFailed(RuntimeError):
+    """One request's own processing raised (``stage``: "sample", "detokenize / stop check"):
+    that request is aborted with this error (its pages freed); the step and the other
+    requests go on."""
+
+    def __init__(self, request_id: str, stage: str, cause: BaseException):
+        super().__init__(f"request {request_id!r} failed in {stage}: {type(cause).__name__}: {cause}")
+        self.request_id, self.stage, self.cause = request_id, stage, cause
+
+
 @dataclasses.dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
+    # Speculative decoding: draft tokens verified for this request, and how many were accepted
+    # (each accepted one is a completion token that cost no step of its own).
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +100,9 @@ class EngineSnapshot:
     preemptions: int  # since start
     programs_compiled: int = 0  # serving programs XLA compiled for this engine (warm-up, or first use before it)
     programs_loaded: int = 0  # serving programs loaded from the program cache instead
+    spec_draft_tokens: int = 0  # speculative decoding, since start: draft tokens verified
+    spec_accepted_tokens: int = 0  # ... accepted
+    spec_verify_steps: int = 0  # (request, verify call) pairs with drafts: mean accepted length = 1 + accepted / this
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ the sort runs only then).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -163,9 +164,10 @@ def sample_sequences(logits, rows, vocab_size: int, per_row: bool = False, progr
     top_k, seeds, steps = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
     for j, (i, s) in enumerate(rows):
         p = s.params
-        idx[j] = i
-        temp[j], top_p[j], min_p[j], top_k[j] = p.temperature, p.top_p, p.min_p, p.top_k
-        seeds[j], steps[j] = s.seed, len(s.output_ids)
+        with _row(j):
+            idx[j] = i
+            temp[j], top_p[j], min_p[j], top_k[j] = p.temperature, p.top_p, p.min_p, p.top_k
+            seeds[j], steps[j] = s.seed, len(s.output_ids)
     penalties = any(s.params.uses_penalties for _, s in rows)
     extra = _penalty_inputs(rows, b, vocab_size) if penalties else {}
     n_lp = max((s.params.logprobs or 0) for _, s in rows)
@@ -188,13 +190,33 @@ def _penalty_inputs(rows, b: int, v: int) -> dict:
     counts, seen = np.zeros((b, v), np.int32), np.zeros((b, v), bool)
     rep, pres, freq = np.ones(b, np.float32), np.zeros(b, np.float32), np.zeros(b, np.float32)
     for j, (_, s) in enumerate(rows):
-        np.add.at(counts[j], s.output_ids, 1)
-        seen[j, s.prompt_ids] = True
-        seen[j, s.output_ids] = True
-        rep[j], pres[j], freq[j] = s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty
+        with _row(j):
+            np.add.at(counts[j], s.output_ids, 1)
+            seen[j, s.prompt_ids] = True
+            seen[j, s.output_ids] = True
+            rep[j], pres[j], freq[j] = s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty
     return dict(counts=counts, seen=seen, repetition=rep, presence=pres, frequency=freq)
+
+
+class RowError(Exception):
+    """Row ``row``'s own inputs could not be packed (``cause``): sample the others without it."""
+
+    def __init__(self, row: int, cause: Exception):
+        super().__init__(f"sampling row {row}: {type(cause).__name__}: {cause}")
+        self.row, self.cause = row, cause
+
+
+@contextlib.contextmanager
+def _row(j: int):
+    try:
+        yield
+    except (OverflowError, ValueError, TypeError, IndexError) as e:
+        raise RowError(j, e) from e
 
 
 def _bucket(n: int) -> int:
     """Smallest power of two >= n (the padded row count of a sampling call)."""
     return 1 << (max(n, 1) - 1).bit_length()
+
+
+penalty_inputs = _penalty_inputs  # public: speculative decoding's acceptance applies the same penalties

@@ -16,6 +16,7 @@ import numpy as np
 MIN_TEMPERATURE = 1e-6
 PENALTY_RANGE = (1e-6, 1e6)
 F32_MAX = float(np.finfo(np.float32).max)
+INT32_MAX = 2**31 - 1  # the sampler keeps top_k (and seeds) as int32
 
 
 def as_float32(x) -> float:
@@ -68,8 +69,8 @@ class SamplingParams:
         check_float("temperature", MIN_TEMPERATURE, F32_MAX,
                     f"0 (greedy) or in [{MIN_TEMPERATURE:g}, {F32_MAX:.4g}] (finite in float32)", zero=True)
         check_float("top_p", 0.0, 1.0, "in (0, 1]", open_lo=True)
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            bad("top_k", "an integer >= 0 (0 = off)")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k <= INT32_MAX:
+            bad("top_k", f"an integer in [0, {INT32_MAX}] (0 = off)")
         check_float("min_p", 0.0, 1.0, "in [0, 1]")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             bad("seed", "an integer or None")

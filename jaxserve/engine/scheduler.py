@@ -106,15 +106,19 @@ class Scheduler:
                 batch.append(seq)
                 batched.add(id(seq))
                 continue
+            want = seq.total_len + len(seq.draft_ids)  # speculative draft tokens need slots too
+            if seq.draft_ids and not self.bm.can_append_slots(seq.request_id, want):
+                seq.draft_ids, want = [], seq.total_len  # ... but never preempt anyone
             while True:
                 try:
-                    new_pages = self.bm.append_slots(seq.request_id, seq.total_len)
+                    new_pages = self.bm.append_slots(seq.request_id, want)
                     break
                 except NoFreePagesError:
                     victim = self._pressure_victim(batched)
                     self.preempt(victim)
                     if victim is seq:
                         break
+                    seq.draft_ids, want = [], seq.total_len
             if seq.status is not Status.RUNNING:
                 continue
             self._sync_pages(seq, new_pages)

@@ -65,6 +65,8 @@ class Sequence:
     export_kv: str | None = None  # KV handoff, sending side: the format to export the prompt's pages in
     kv_export: object = None  # ... the exported KvPayload, once the first token is sampled
     kv_import: KvImport | None = None  # KV handoff, receiving side: pages to map at admission
+    draft_ids: list[int] = dataclasses.field(default_factory=list)  # speculative tokens to verify this step
+    spec: object = None  # jaxserve.engine.speculative.decoder.SpecStats when speculation is on
 
     @property
     def all_ids(self) -> list[int]:

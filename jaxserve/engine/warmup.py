@@ -46,13 +46,13 @@ def serving_buckets(config, token_buckets: list[int]) -> tuple[list[int], list[t
 
 class Warmup:
     def __init__(self, runner, programs, decode: list[int], prefill: list[tuple[int, int]], vocab_size: int,
-                 per_row: bool = False):
+                 per_row: bool = False, verify_tokens: int = 0):
         self.runner, self.programs, self.vocab_size, self.per_row = runner, programs, vocab_size, per_row
         if "decode" not in runner.phase_params:  # a prefill worker: no decode program
             decode = []
         self.decode, self.prefill = decode, prefill
         # Specs are made now, on the engine's thread, from the runner's current arrays.
-        self.steps = runner.program_specs(decode, prefill)
+        self.steps = runner.program_specs(decode, prefill, verify_tokens)
         # A step samples at most the rows of its bucket: fewer (a prefill step's rows that complete
         # a prompt, a decode row that failed its check) pad up to the built sampler for all of them
         # (``sample_sequences``), so one sampler per row count: a smaller one would save
@@ -91,6 +91,7 @@ def warm_engine(engine, progress: Callable[[int, int], None] | None = None,
     steps then run on another thread)."""
     runner, config = engine.runner, engine.config
     decode, prefill = serving_buckets(config, engine.prefill_token_buckets)
+    verify = engine.spec.verify_tokens if engine.spec is not None else 0
 
     def handoff_then_serve():
         if config.role != "both":  # the KV handoff programs: export on a prefill worker, import on a decode one
@@ -103,12 +104,13 @@ def warm_engine(engine, progress: Callable[[int, int], None] | None = None,
     if runner.programs is not None:
         if on_serviceable is not None:  # the guard is on from the start: steps pick built buckets
             runner.warm = True
-        plan = Warmup(runner, runner.programs, decode, prefill, engine.cfg.vocab_size, config.batch_invariant)
+        plan = Warmup(runner, runner.programs, decode, prefill, engine.cfg.vocab_size, config.batch_invariant,
+                      verify)
         plan.run(progress, handoff_then_serve if on_serviceable is not None else None)
         if on_serviceable is None:
             handoff_then_serve()
     else:
-        runner.warmup(decode, prefill)
+        runner.warmup(decode, prefill, verify)
         for rows in sorted(set(decode) | {b for b, _ in prefill}):
             for n in pow2_buckets(1, rows):
                 f32, i32 = np.zeros(n, np.float32), np.zeros(n, np.int32)
@@ -117,7 +119,20 @@ def warm_engine(engine, progress: Callable[[int, int], None] | None = None,
                                 np.ones(n, np.float32), f32, i32, i32, all_greedy=greedy, penalties=False,
                                 num_logprobs=0, per_row=config.batch_invariant)
         handoff_then_serve()
+    if engine.spec is not None and "decode" in runner.phase_params:
+        engine.spec.warm(lambda: _verify_logits(runner, decode, verify, engine.cfg.vocab_size))
     runner.warm = True
+
+
+def _verify_logits(runner, decode: list[int], t: int, vocab_size: int):
+    """(rows, zero logits [rows, t, V] placed where the verify program leaves its logits) per
+    decode bucket: what speculative decoding's acceptance is compiled for."""
+    import jax
+
+    for b in decode:
+        built = runner.programs.get(step_name("verify", b, t)) if runner.programs is not None else None
+        logits = np.zeros((b, t, vocab_size), np.float32)
+        yield b, jax.device_put(logits, built.output_shardings[0]) if built is not None else logits
 
 
 def step_bucket(engine, phase: str, b: int, t: int) -> tuple[int, int]:
@@ -125,7 +140,8 @@ def step_bucket(engine, phase: str, b: int, t: int) -> tuple[int, int]:
     if not engine.runner.warm or engine.runner.programs is None:
         return b, t
     decode, prefill = serving_buckets(engine.config, engine.prefill_token_buckets)
-    return bucket_for(engine.runner.programs, phase, b, t, [(d, 1) for d in decode] if phase == "decode" else prefill)
+    steps = {"decode": [(d, 1) for d in decode], "verify": [(d, t) for d in decode]}.get(phase, prefill)
+    return bucket_for(engine.runner.programs, phase, b, t, steps)
 
 
 def warm_in_background(engine, progress: Callable[[int, int], None] | None = None) -> None:

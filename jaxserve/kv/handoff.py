@@ -89,7 +89,7 @@ def payload_specs(shapes_1, axes, num_pages: int) -> list[jax.ShapeDtypeStruct]:
 
 
 # ---------------------------------------------------------------------- device functions
-def _as_u32(x):
+def as_u32(x):
     """Stored bits as uint32 (floats of 32 bits bit-cast; narrower unsigned containers widened)."""
     if x.dtype == jnp.uint32:
         return x
@@ -101,18 +101,18 @@ def _as_u32(x):
     return jax.lax.bitcast_convert_type(x, bits).astype(jnp.uint32)
 
 
-_MULT = (np.uint32(0x9E3779B1), np.uint32(0x85EBCA77))
-_SALT = (np.uint32(0x7F4A7C15), np.uint32(0xC2B2AE3D))
+DIGEST_MULT = (np.uint32(0x9E3779B1), np.uint32(0x85EBCA77))
+DIGEST_SALT = (np.uint32(0x7F4A7C15), np.uint32(0xC2B2AE3D))
 
 
 def digest(leaves) -> jax.Array:
     """uint32 [2]: the position-keyed checksum of a list of arrays (see the module docstring)."""
     lanes = [jnp.uint32(0), jnp.uint32(0)]
     for k, leaf in enumerate(leaves):
-        u = _as_u32(leaf).reshape(-1)
+        u = as_u32(leaf).reshape(-1)
         pos = jnp.arange(u.shape[0], dtype=jnp.uint32) + jnp.uint32((k * 0x632BE5AB) & 0xFFFFFFFF)
         for lane in range(2):
-            mult = (pos * _MULT[lane] + _SALT[lane]) | jnp.uint32(1)
+            mult = (pos * DIGEST_MULT[lane] + DIGEST_SALT[lane]) | jnp.uint32(1)
             lanes[lane] = lanes[lane] + jnp.sum(u * mult, dtype=jnp.uint32)
     return jnp.stack(lanes)
 

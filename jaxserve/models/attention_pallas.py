@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.kv import paged
-from jaxserve.sharding import MODEL_AXIS
+from jaxserve.sharding import MODEL_AXIS, per_device
 
 
 
@@ -196,18 +196,5 @@ def _gqa_cached(q, k_pool, v_pool, scales, page_table, cached_lens, scale, inter
 
 
 def _on_mesh(body, mesh, args, in_specs, out_specs):
-    """``body(*args)`` per device over ``mesh`` (axis ``MODEL_AXIS``). A context mesh of the
-    same shape (an abstract target-device mesh while lowering for another platform) stands
-    in for ``mesh``: shard_map requires the two to agree."""
-    ctx = jax.sharding.get_abstract_mesh() if hasattr(jax.sharding, "get_abstract_mesh") else None
-    if ctx is not None and not ctx.empty:
-        if dict(ctx.shape) != dict(mesh.shape):
-            raise ValueError(f"the context mesh {dict(ctx.shape)} does not match the model's mesh {dict(mesh.shape)}")
-        mesh = ctx
-    if hasattr(jax, "shard_map"):
-        f = jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_vma=False)
-    else:  # older jax
-        from jax.experimental.shard_map import shard_map
-
-        f = shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs, check_rep=False)
-    return f(*args)
+    """``body(*args)`` per device over ``mesh`` (``sharding.per_device``)."""
+    return per_device(body, mesh, args, in_specs, out_specs)

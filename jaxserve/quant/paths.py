@@ -19,7 +19,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxserve.quant import int4_pallas
 from jaxserve.quant.qweight import QuantizedWeight
+from jaxserve.sharding import current_kernel_mesh
 
 TILE_BYTES = 1 << 20  # target size of one dequantized bf16 tile
 
@@ -172,31 +174,26 @@ def fp8_native_ragged(x, qw, sizes):
 
 
 def _int4_kernel(interpret: bool):
-    def prep(x, qw):
-        kp = 2 * qw.values.shape[-2]
-        return jnp.pad(x, ((0, 0), (0, kp - x.shape[1]))).astype(jnp.bfloat16), qw.fmt.group
-
+    """The Pallas int4 kernel (``quant.int4_pallas``: per device under a mesh). A weight the
+    kernel refuses (``int4_pallas.plan``, also what the runner reports per weight) runs the
+    tile-wise dequantized path instead, by that plan: no error is caught to fall back."""
     def dense(x, qw):
-        from pallas_kernels.int4_matmul import int4_matmul  # only when a program traces this path
-
-        xp, g = prep(x, qw)
-        try:
-            y = int4_matmul(xp, qw.values, qw.scales, group=g, tile=g, interpret=interpret)
-        except ValueError:  # a shape the kernel does not take (N not a multiple of 16, ...)
-            return dequant_dense(x, qw)
-        return y.astype(jnp.float32)
+        p = int4_pallas.plan(qw, current_kernel_mesh())
+        return dequant_dense(x, qw) if p.refused else int4_pallas.dense(x, qw, interpret, p)
 
     def ragged(x, qw, sizes):
-        from pallas_kernels.int4_matmul import int4_grouped_matmul
-
-        xp, g = prep(x, qw)
-        try:
-            y = int4_grouped_matmul(xp, qw.values, qw.scales, sizes, group=g, tile=g, interpret=interpret)
-        except ValueError:
-            return dequant_ragged(x, qw, sizes)
-        return y.astype(jnp.float32)
+        p = int4_pallas.plan(qw, current_kernel_mesh())
+        return dequant_ragged(x, qw, sizes) if p.refused else int4_pallas.ragged(x, qw, sizes, interpret, p)
 
     return dense, ragged
+
+
+def refusal(format_name: str | None, backend: str, qw: QuantizedWeight, mesh=None) -> str | None:
+    """Why ``PATHS[(family, backend)]``'s kernel does not take ``qw`` on ``mesh`` (then
+    ``FALLBACK[backend]`` runs it); None when it does (every path but the int4 kernel's)."""
+    if family_of(format_name) != "int4" or backend not in ("gpu", "interpret"):
+        return None
+    return int4_pallas.plan(qw, mesh).refused
 
 
 def _unused(*_):
@@ -236,3 +233,17 @@ def _registry() -> dict[tuple[str, str], Path]:
 
 
 PATHS: dict[tuple[str, str], Path] = _registry()
+# What runs an int4 weight the Pallas kernel refuses (``refusal``), per kernel backend.
+FALLBACK: dict[str, Path] = {b: Path(f"{b}:int4-tiles-bf16", _DEQ, dequant_dense, dequant_ragged)
+                             for b in ("gpu", "interpret")}
+
+
+def _with_native(paths: dict[tuple[str, str], Path]) -> dict[tuple[str, str], Path]:
+    """Native CPU kernels (jaxserve.quant.native_paths) over the XLA entries they beat."""
+    from jaxserve.quant.native_paths import native_cpu_paths
+
+    return {**paths, **native_cpu_paths(paths)}
+
+
+XLA_PATHS: dict[tuple[str, str], Path] = PATHS  # XLA's own formulations, whatever runs
+PATHS = _with_native(XLA_PATHS)

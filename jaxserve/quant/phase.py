@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.quant.formats import get_weight_format
-from jaxserve.quant.qweight import QuantizedWeight, shardings_for
+from jaxserve.quant.qweight import QuantizedWeight, record_specs, shardings_for
 from jaxserve.sharding import place as place_array
 
 # Parameter paths (as "/"-joined NNX paths) holding matmul weights.
@@ -202,6 +202,22 @@ def phase_states(state, prefill: str | None, decode: str | None, mesh=None, tied
     dec = quantize_state(state, decode, mesh, tied_head)
     pre = dec if canon[0] == canon[1] else quantize_state(state, prefill, mesh, tied_head)
     return {"prefill": prefill, "decode": decode}, {"prefill": pre, "decode": dec}
+
+
+def record_phase_specs(states: dict) -> dict:
+    """``{phase: state}`` with every PhaseWeight's ``qw.specs`` read from its placed arrays
+    (``qweight.record_specs``); phases that shared one state still share one."""
+    done: dict[int, object] = {}
+
+    def one(w):
+        if not isinstance(w, PhaseWeight):
+            return w
+        return dataclasses.replace(w, qw=record_specs(w.qw))
+
+    for s in states.values():
+        if id(s) not in done:
+            done[id(s)] = jax.tree.map(one, s, is_leaf=lambda x: isinstance(x, PhaseWeight))
+    return {p: done[id(s)] for p, s in states.items()}
 
 
 def state_nbytes(state) -> int:

@@ -32,13 +32,17 @@ from .sizes import matrix_bytes
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scales"],
-                   meta_fields=["format", "shape"])
+                   meta_fields=["format", "shape", "specs"])
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: no elementwise array comparisons
 class QuantizedWeight:
     values: jax.Array | np.ndarray  # stored values, layout per format (table above)
     scales: jax.Array | np.ndarray | None  # float32 dequantization multipliers, or None
     format: str  # canonical registry name, e.g. "int4:g128"
     shape: tuple[int, ...]  # the unquantized weight's shape [..., K, N]
+    # How values and scales are split over a mesh (one mesh axis name or None per stored dim):
+    # ((values), (scales) or None); None off a mesh. Recorded from the placed arrays
+    # (``record_specs``): the per-device kernels (shard_map) read each device's own blocks by it.
+    specs: tuple | None = None
 
     @property
     def fmt(self) -> "WeightFormat":
@@ -172,3 +176,19 @@ def shardings_for(qw: QuantizedWeight, weight_axes, mesh, name: str = "") -> Qua
         return named(mesh, axes, arr.shape, f"{name}.{field}")
 
     return dataclasses.replace(qw, values=one("values"), scales=one("scales"))
+
+
+def _spec_of(arr) -> tuple | None:
+    sharding = getattr(arr, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if arr is None or spec is None:
+        return None
+    return tuple(spec) + (None,) * (arr.ndim - len(spec))
+
+
+def record_specs(qw: QuantizedWeight) -> QuantizedWeight:
+    """``qw`` with ``specs`` read from where its arrays are placed (NamedShardings; else None)."""
+    values = _spec_of(qw.values)
+    if values is None:
+        return qw
+    return dataclasses.replace(qw, specs=(values, _spec_of(qw.scales)))

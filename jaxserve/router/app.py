@@ -21,7 +21,7 @@ from jaxserve.router.metrics import RouterMetrics
 from jaxserve.router.policy import RoutingPolicy
 from jaxserve.router.pool import WorkerPool
 from jaxserve.router.service import RouterService
-from jaxserve.server.auth import ApiKeys
+from jaxserve.server.auth import ApiKeys, PeerCredentials
 from jaxserve.server.guard import RequestGuard
 from jaxserve.server.limits import ServeLimits
 from jaxserve.v1 import jaxserve_pb2 as pb
@@ -39,14 +39,16 @@ def worker_health_name(address: str) -> str:
 class Router:
     """workers: [(address, role)] with role "both" (colocated) or "prefill" / "decode" (not
     mixed with "both"). health_interval_s / health_timeout_s / unhealthy_after: see
-    ``WorkerPool``; worker_api_key: sent on every worker call instead of the client's own
-    credentials. The other arguments are as for ``jaxserve.server.app.Server``."""
+    ``WorkerPool``; peer (``auth.PeerCredentials``): how the router calls workers (TLS with a
+    CA and optional client certificate; its API key sent on every worker call instead of the
+    client's own credentials); worker_api_key: that key alone (a plaintext peer). The other
+    arguments are as for ``jaxserve.server.app.Server``."""
 
     def __init__(self, workers, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = 0,
                  metrics_host: str = "127.0.0.1", credentials=None, keys: ApiKeys | None = None,
                  worker_api_key: str | None = None, max_id_length: int = 256, limits: ServeLimits | None = None,
                  health_interval_s: float = 1.0, health_timeout_s: float = 1.0, unhealthy_after: int = 2,
-                 session_ttl_s: float = 600.0, prefix_entries: int = 100_000):
+                 session_ttl_s: float = 600.0, prefix_entries: int = 100_000, peer: PeerCredentials | None = None):
         roles = {role for _, role in workers}
         if not workers:
             raise ValueError("the router needs workers: --worker, or --decode (and --prefill)")
@@ -57,8 +59,12 @@ class Router:
         self.host, self.port, self.metrics_port, self.metrics_host = host, port, metrics_port, metrics_host
         self.credentials, self.keys, self.limits = credentials, keys or ApiKeys(), limits or ServeLimits()
         self.metrics = RouterMetrics()
-        worker_md = (("authorization", f"Bearer {worker_api_key}"),) if worker_api_key else ()
+        if peer is not None and worker_api_key is not None:
+            raise ValueError("give the worker API key in peer or worker_api_key, not both")
+        self.peer = peer or PeerCredentials(api_key=worker_api_key)
+        worker_md = self.peer.metadata
         self.pool = WorkerPool(workers, health_interval_s, health_timeout_s, unhealthy_after, metadata=worker_md,
+                               peer=self.peer,
                                on_change=self._worker_changed,
                                on_check_failed=lambda w: self.metrics.health_failures.labels(w.address).inc())
         self.policy = RoutingPolicy(self.pool, prefix_entries, session_ttl_s)

@@ -39,8 +39,9 @@ def register_route(sub) -> None:
     p.add_argument("--api-key", action="append", default=None,
                    help="accept this API key at the router (repeatable; also $JAXSERVE_API_KEY); without it "
                         "the clients' credentials are passed on and the workers check them")
-    p.add_argument("--worker-api-key", default=None,
-                   help="API key the router sends to every worker (instead of the client's credentials)")
+    from jaxserve.server.auth import add_peer_args
+
+    add_peer_args(p, "API key the router sends to every worker (instead of the client's credentials)")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between worker health checks")
     p.add_argument("--health-timeout", type=float, default=1.0, help="seconds a health check may take")
     p.add_argument("--unhealthy-after", type=int, default=2,
@@ -74,7 +75,7 @@ def _router(args):
     return Router(workers, host=args.host, port=args.port,
                   metrics_port=None if args.metrics_port < 0 else args.metrics_port, metrics_host=args.metrics_host,
                   credentials=auth.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
-                  keys=auth.keys_from(args.api_key), worker_api_key=args.worker_api_key,
+                  keys=auth.keys_from(args.api_key), peer=auth.peer_from_args(args),
                   max_id_length=args.max_id_length, limits=limits, health_interval_s=args.health_interval,
                   health_timeout_s=args.health_timeout, unhealthy_after=args.unhealthy_after,
                   session_ttl_s=args.session_ttl, prefix_entries=args.prefix_index_entries)

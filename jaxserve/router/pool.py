@@ -5,6 +5,10 @@ row (an error, a timeout or another status) take it down: its in-flight calls ar
 (``Attempt.lost`` tells the relay that the worker, not the client, ended them), its prefix
 entries are forgotten, and it is skipped until a check answers SERVING again. Each good check
 also refreshes its ``ModelInfo`` (page size, free KV pages, limits) for the routing policy.
+Channels are made by the pool's ``PeerCredentials`` (TLS, client certificate). Why a check
+failed is grpc's status and details (a certificate the CA does not sign, TLS against
+plaintext, a refused connection, a timeout): logged for a worker that is not up each time the
+reason changes, and with the "is down" line for one that was.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from collections.abc import Callable, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from jaxserve.server.auth import PeerCredentials
 from jaxserve.v1 import handoff_pb2_grpc as handoff_grpc
 from jaxserve.v1 import jaxserve_pb2 as pb
 from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
@@ -68,9 +73,10 @@ class Worker:
         self.info: pb.ModelInfo | None = None
         self.in_flight = 0
         self.attempts: set[Attempt] = set()
+        self.last_error = ""  # why the last health check failed ("" after a good one)
 
-    def connect(self) -> None:
-        self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+    def connect(self, peer: PeerCredentials) -> None:
+        self.channel = peer.aio_channel(self.address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.JaxServeStub(self.channel)
         self.handoff = handoff_grpc.KvHandoffStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -99,11 +105,11 @@ class Worker:
 class WorkerPool:
     """The workers and their health loop (event loop only). on_change(worker) runs after a
     worker goes up or down, on_check_failed(worker) after each failed check; metadata is sent
-    with GetModelInfo (a worker's API key)."""
+    with GetModelInfo (a worker's API key); peer makes the channels (default plaintext)."""
 
     def __init__(self, workers: Sequence[tuple[str, str]], interval_s: float = 1.0, timeout_s: float = 1.0,
                  unhealthy_after: int = 2, metadata: tuple = (), on_change: Callable | None = None,
-                 on_check_failed: Callable | None = None):
+                 on_check_failed: Callable | None = None, peer: PeerCredentials | None = None):
         if interval_s <= 0 or timeout_s <= 0 or unhealthy_after < 1:
             raise ValueError("health interval and timeout must be > 0 and unhealthy_after >= 1")
         seen = set()
@@ -114,6 +120,7 @@ class WorkerPool:
         self.workers = [Worker(address, role, i) for i, (address, role) in enumerate(workers)]
         self.interval_s, self.timeout_s, self.unhealthy_after = interval_s, timeout_s, unhealthy_after
         self.metadata = tuple(metadata) or None
+        self.peer = peer or PeerCredentials()
         self.on_change = on_change or (lambda worker: None)
         self.on_check_failed = on_check_failed or (lambda worker: None)
         self._task: asyncio.Task | None = None
@@ -127,7 +134,7 @@ class WorkerPool:
 
     async def start(self) -> None:
         for w in self.workers:
-            w.connect()
+            w.connect(self.peer)
         await self.check_all()
         self._task = asyncio.ensure_future(self._loop())
 
@@ -149,8 +156,11 @@ class WorkerPool:
         try:
             resp = await worker.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.timeout_s)
             ok = resp.status == _SERVING
-        except grpc.RpcError:
+            if not ok:  # warming up or draining: the worker answers, nothing to log
+                worker.last_error = "health " + health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+        except grpc.RpcError as e:
             ok = False
+            self._check_error(worker, f"{e.code().name}: {e.details()}")
         if ok:
             try:  # best effort: a worker whose GetModelInfo needs a key we lack is still up
                 worker.info = await worker.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout_s,
@@ -161,7 +171,7 @@ class WorkerPool:
         if not ok:
             self.on_check_failed(worker)
         if ok:
-            worker.failures = 0
+            worker.failures, worker.last_error = 0, ""
             if not worker.up:
                 worker.up = True
                 log.info("worker %s (%s) is up", worker.address, worker.role)
@@ -171,6 +181,12 @@ class WorkerPool:
             if worker.up and worker.failures >= self.unhealthy_after:
                 self.mark_down(worker)
         return ok
+
+    @staticmethod
+    def _check_error(worker: Worker, reason: str) -> None:
+        if reason != worker.last_error and not worker.up:
+            log.warning("health check of worker %s (%s) failed: %s", worker.address, worker.role, reason)
+        worker.last_error = reason
 
     @staticmethod
     def _role_fits(worker: Worker) -> bool:
@@ -188,8 +204,8 @@ class WorkerPool:
 
     def mark_down(self, worker: Worker) -> None:
         worker.up = False
-        log.warning("worker %s (%s) is down; moving %d call(s) in flight", worker.address, worker.role,
-                    len(worker.attempts))
+        log.warning("worker %s (%s) is down (%s); moving %d call(s) in flight", worker.address, worker.role,
+                    worker.last_error or "not SERVING", len(worker.attempts))
         for attempt in list(worker.attempts):
             attempt.abandon()
         self.on_change(worker)

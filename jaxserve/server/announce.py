@@ -1,5 +1,6 @@
 """What a server says about itself at start: the log lines once it is bound (addresses,
-security, matmul paths, memory) and the labels of its ``jaxserve_model`` info metric."""
+security, matmul paths, memory, the KV handoff's advertised address and peer credentials) and
+the labels of its ``jaxserve_model`` info metric."""
 from __future__ import annotations
 
 import logging
@@ -25,8 +26,24 @@ def log_listening(server) -> None:
              server.http_target or "off")
     for phase in ("prefill", "decode"):
         log.info("%s matmuls: %s", phase, getattr(info, phase).matmul_path)
+    for phase, rows in server.llm.runner.weight_path_rows().items():
+        for row in rows:
+            if row.refused:
+                log.warning("%s matmuls: %s (%s) runs on %s, not the %s kernel: %s", phase, row.name, row.format,
+                            row.path, row.format, row.refused)
     m = info.memory
     log.info("memory: weights %s B prefill, %s B decode, %s B resident; KV %s B = %d pages x %d tokens "
              "(%d B/token, %s tokens)", f"{m.weight_bytes_prefill:,}", f"{m.weight_bytes_decode:,}",
              f"{m.weight_bytes_resident:,}", f"{m.kv_bytes:,}", m.kv_pages, info.page_size,
              m.kv_bytes_per_token, f"{m.max_cached_tokens:,}")
+
+
+def log_handoff(server, peer, kv_transport: str) -> None:
+    """A prefill / decode worker: the address its offers name and how it calls other workers;
+    a warning when TLS is on but the transfer transport's data sockets are not encrypted."""
+    if server.handoff is None:
+        return
+    log.info("KV handoff: offers name %s; calls to workers %s", server.advertised, peer.describe())
+    if kv_transport == "transfer" and (server.credentials is not None or peer.tls):
+        log.warning("--kv-transport transfer: the KV bytes move over jax.experimental.transfer's own sockets, "
+                    "unencrypted and unauthenticated, whatever the TLS settings (use grpc across untrusted networks)")

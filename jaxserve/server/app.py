@@ -17,8 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxserve.server import announce, convert, errors
-from jaxserve.server.auth import ApiKeys
+from jaxserve.server import address, announce, convert, errors
+from jaxserve.server.auth import ApiKeys, PeerCredentials
 from jaxserve.server.engine_loop import EngineLoop
 from jaxserve.server.guard import RequestGuard
 from jaxserve.server.http_server import HttpServer, HttpTls
@@ -58,7 +58,10 @@ class Server:
     serving). The weights are hashed here, once, for the fingerprint in GetModelInfo. group:
     process 0's ``multihost.StepLeader`` of a multi-process replica (None: one process); when it
     loses a process, the server turns NOT_SERVING, fails every request in flight with
-    UNAVAILABLE and sets ``replica_lost``.
+    UNAVAILABLE and sets ``replica_lost``. A prefill or decode worker also serves KvHandoff:
+    advertise_host is the host its KV offers name (``address.advertised_host``: default the bound
+    one, a routable one when bound to every interface); peer (``auth.PeerCredentials``) is how it
+    calls other workers (TLS, client certificate, API key).
     """
 
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = 0,
@@ -66,7 +69,8 @@ class Server:
                  credentials=None, keys: ApiKeys | None = None, max_id_length: int = convert.MAX_ID_LENGTH,
                  limits: ServeLimits | None = None, http_port: int | None = None, http_tls: HttpTls | None = None,
                  served_model_name: str | None = None, kv_transport: str = "grpc", handoff_ttl_s: float = 30.0,
-                 pull_timeout_s: float = 10.0, group=None, serve_while_warming: bool = False):
+                 pull_timeout_s: float = 10.0, group=None, serve_while_warming: bool = False,
+                 advertise_host: str | None = None, peer: PeerCredentials | None = None):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         convert.check_id_options(max_id_length, replica_id)
@@ -84,7 +88,11 @@ class Server:
         self.replica_lost: asyncio.Event | None = None
         self._replica_id = replica_id
         # A prefill or decode worker also serves KvHandoff (the KV handoff between them).
-        self.handoff_options = dict(transport=kv_transport, ttl_s=handoff_ttl_s, pull_timeout_s=pull_timeout_s)
+        self.handoff_options = dict(transport=kv_transport, ttl_s=handoff_ttl_s, pull_timeout_s=pull_timeout_s,
+                                    bind_host=host, peer=peer)
+        self.advertise_host = advertise_host
+        if self.info.role != "both" or advertise_host is not None:  # ValueError before anything binds
+            self.advertise_host = address.advertised_host(host, advertise_host)
         self.handoff = self._handoff_watch = None
         self.failure: BaseException | None = None
         self.warmup_seconds = 0.0  # engine thread start to SERVING
@@ -121,7 +129,7 @@ class Server:
         else:
             self.port = self._grpc.add_secure_port(address, self.credentials)
         if self.info.role != "both":
-            self.handoff = KvHandoffService(self.service, self.llm.engine, self.metrics, self.target,
+            self.handoff = KvHandoffService(self.service, self.llm.engine, self.metrics, self.advertised,
                                             **self.handoff_options)
             hpb_grpc.add_KvHandoffServicer_to_server(self.handoff, self._grpc)
             self._handoff_watch = asyncio.ensure_future(self.handoff.watch_offers())
@@ -130,6 +138,7 @@ class Server:
         # The default replica id names the port actually bound (a router's key for this replica).
         self.info.replica_id = self._replica_id or f"{socket.gethostname()}:{self.port}"
         self.metrics.info.info(announce.info_labels(self.info))
+        self.metrics.set_matmul_paths(self.llm.runner.weight_path_rows())
         await self._grpc.start()
         if self.http_port is not None:
             from jaxserve.server.openai_http import OpenAIFrontEnd  # FastAPI only when asked for
@@ -149,6 +158,11 @@ class Server:
     @property
     def target(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def advertised(self) -> str:
+        """host:port as peers reach this server (the address its KV offers name)."""
+        return address.join(self.advertise_host or self.host, self.port)
 
     @property
     def http_target(self) -> str | None:

@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 
+from jaxserve.server import announce
 from jaxserve.server.client_cli import register_client
 from jaxserve.server.group import add_group_args
 
@@ -91,6 +92,15 @@ def _add_limit_args(p) -> None:
                    help=f"UTF-8 bytes of a request's stop strings together (default {d.max_stop_bytes})")
     p.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
                    help=f"stop token ids per request (default {d.max_stop_token_ids})")
+    p.add_argument("--max-messages", type=int, default=None,
+                   help="messages of one chat, refused before the chat template runs (default the model's max "
+                        "context: each message costs at least one token)")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest HTTP request body, refused as soon as that many bytes have arrived, chunked or "
+                        "not (default 6 x --max-prompt-bytes + 1 MiB: a prompt within the limit, JSON-escaped)")
+    p.add_argument("--max-json-depth", type=int, default=d.max_json_depth,
+                   help=f"deepest nesting of an HTTP request body, checked before it is parsed "
+                        f"(default {d.max_json_depth})")
     p.add_argument("--max-streams-per-connection", type=int, default=d.max_streams_per_peer,
                    help=f"open GenerateStream calls per client connection before RESOURCE_EXHAUSTED "
                         f"(default {d.max_streams_per_peer})")
@@ -121,6 +131,13 @@ def _add_role_args(p) -> None:
     p.add_argument("--kv-handoff-format", default=None,
                    help="prefill worker: the decode workers' KV format, its export compiled at warm-up "
                         "(default fp8_e4m3)")
+    p.add_argument("--advertise-host", default=None,
+                   help="the host decode workers reach this one at, named in its KV offers (default --host; "
+                        "bound to 0.0.0.0 / ::, a routable address of this machine)")
+    from jaxserve.server.auth import add_peer_args
+
+    add_peer_args(p, "decode worker: API key sent to prefill workers (PullPages, Release); default the "
+                     "credentials the Decode call came with")
 
 
 def limits_from(args):
@@ -129,7 +146,8 @@ def limits_from(args):
     return ServeLimits(max_stop_strings=args.max_stop_strings, max_stop_bytes=args.max_stop_bytes,
                        max_stop_token_ids=args.max_stop_token_ids, max_prompt_bytes=args.max_prompt_bytes,
                        max_streams_per_peer=args.max_streams_per_connection, max_streams=args.max_streams,
-                       stream_idle_timeout_s=args.stream_idle_timeout,
+                       stream_idle_timeout_s=args.stream_idle_timeout, max_messages=args.max_messages,
+                       max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
                        max_queued_per_client=args.max_queued_per_client)
 
 
@@ -170,6 +188,11 @@ def _run(args) -> tuple[int, bool]:
     # Everything an operator can get wrong is checked before the (slow) model load.
     keys = auth.keys_from(args.api_key)
     credentials = auth.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+    args.peer = auth.peer_from_args(args)
+    if args.role != "both" or args.advertise_host is not None:
+        from jaxserve.server.address import advertised_host
+
+        advertised_host(args.host, args.advertise_host)
     convert.check_id_options(args.max_id_length, args.replica_id)
     args.limits = limits_from(args)  # ValueError (exit code 2) before the model loads
     for path in remove_stale_conversions():
@@ -235,7 +258,8 @@ async def _serve(args, llm, keys, credentials, leader=None) -> tuple[int, bool]:
                     max_id_length=args.max_id_length, limits=args.limits, http_port=args.http_port,
                     http_tls=http_tls, served_model_name=args.served_model_name, kv_transport=args.kv_transport,
                     handoff_ttl_s=args.handoff_ttl, pull_timeout_s=args.pull_timeout, group=leader,
-                    serve_while_warming=args.serve_while_warming)
+                    serve_while_warming=args.serve_while_warming, advertise_host=args.advertise_host,
+                    peer=args.peer)
     await server.start()
     security = (f"{'TLS' if credentials is not None else 'plaintext'}, "
                 f"{f'{len(keys)} API key(s)' if keys.enabled else 'no API key'}")
@@ -246,6 +270,7 @@ async def _serve(args, llm, keys, credentials, leader=None) -> tuple[int, bool]:
         print(f"jaxserve: OpenAI-compatible HTTP API on {server.http_target} (model "
               f"{server.served_model_name!r})", flush=True)
     _warn_if_exposed(args.host, keys, credentials)
+    announce.log_handoff(server, args.peer, args.kv_transport)
     ready = asyncio.ensure_future(server.wait_ready())
     stopping = asyncio.ensure_future(stop.wait())
     lost = asyncio.ensure_future(server.replica_lost.wait())

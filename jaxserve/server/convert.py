@@ -13,9 +13,10 @@ import pathlib
 
 import numpy as np
 
+from jaxserve.engine.speculative.setup import describe as describe_speculative
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.multihost.digest import shard_digest
-from jaxserve.server import errors
+from jaxserve.server import errors, validate
 from jaxserve.v1 import jaxserve_pb2 as pb
 
 SEED_MAX = 2**31 - 1  # the engine's sampler keeps seeds in int32
@@ -53,18 +54,18 @@ def check_id_options(max_id_length: int, replica_id: str | None) -> None:
 
 def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
     """Only the fields the client set reach SamplingParams (unset = the engine default)."""
-    kw = {f: getattr(req.sampling, f) for f in _SAMPLING_FIELDS if req.sampling.HasField(f)}
+    kw = validate.sampling({f: getattr(req.sampling, f) for f in _SAMPLING_FIELDS if req.sampling.HasField(f)})
     if "seed" in kw and not 0 <= kw["seed"] <= SEED_MAX:
         raise errors.invalid_argument(f"seed must be in [0, {SEED_MAX}], got {kw['seed']}")
     if req.sampling.HasField("logprobs"):
         kw["logprobs"] = req.sampling.logprobs
     stop = req.stop
     if stop.HasField("max_tokens"):
-        kw["max_tokens"] = stop.max_tokens
+        kw["max_tokens"] = validate.integer("max_tokens", stop.max_tokens)
     if stop.HasField("ignore_eos"):
         kw["ignore_eos"] = stop.ignore_eos
     kw["stop"] = tuple(stop.stop)
-    kw["stop_token_ids"] = tuple(stop.stop_token_ids)
+    kw["stop_token_ids"] = tuple(validate.token_ids("stop_token_ids", list(stop.stop_token_ids)))
     try:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as e:
@@ -102,19 +103,10 @@ def encode_text(tokenizer, text: str, chat_template: bool, add_special_tokens: b
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def check_messages(messages) -> list[dict]:
-    """Chat messages [{"role", "content"}] with string roles and contents, non-empty."""
-    if not messages:
-        raise errors.invalid_argument("messages is empty")
-    out = []
-    for i, m in enumerate(messages):
-        role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str) or not role:
-            raise errors.invalid_argument(f"messages[{i}].role must be a non-empty string")
-        if not isinstance(content, str):
-            raise errors.invalid_argument(f"messages[{i}].content must be a string")
-        out.append({"role": role, "content": content})
-    return out
+def check_messages(messages, max_messages: int) -> list[dict]:
+    """Chat messages [{"role", "content"}]: at most `max_messages`, string roles and contents,
+    valid Unicode, non-empty (``validate.messages``)."""
+    return validate.messages(messages, max_messages)
 
 
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
@@ -130,18 +122,19 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer.encode(text)
 
 
-def prompt_ids(req: pb.GenerateRequest, tokenizer) -> list[int]:
+def prompt_ids(req: pb.GenerateRequest, tokenizer, max_messages: int) -> list[int]:
     kind = req.WhichOneof("prompt")
     if req.messages:
         if kind is not None or req.apply_chat_template:
             raise errors.invalid_argument("set messages or a prompt (text / token_ids), not both")
-        return encode_chat(tokenizer, check_messages([{"role": m.role, "content": m.content} for m in req.messages]))
+        messages = check_messages([{"role": m.role, "content": m.content} for m in req.messages], max_messages)
+        return encode_chat(tokenizer, messages)
     if kind is None:
         raise errors.invalid_argument("empty prompt: set text, token_ids or messages")
     if kind == "token_ids":
         if req.apply_chat_template:
             raise errors.invalid_argument("apply_chat_template needs a text prompt")
-        ids = list(req.token_ids.ids)
+        ids = validate.token_ids("token_ids", list(req.token_ids.ids))
     else:
         ids = encode_text(tokenizer, req.text, req.apply_chat_template)
     if not ids:
@@ -159,7 +152,8 @@ def decode_ids(tokenizer, ids, vocab_size: int, skip_special_tokens: bool) -> st
 
 # ---------------------------------------------------------------------- results
 def usage(u) -> pb.Usage:
-    return pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens)
+    return pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens,
+                    draft_tokens=u.draft_tokens, accepted_draft_tokens=u.accepted_draft_tokens)
 
 
 def token_logprobs(token_ids, logprobs) -> list[pb.TokenLogprob]:
@@ -242,6 +236,7 @@ def model_info(llm, max_waiting: int, replica_id: str, peer_digests=()) -> pb.Mo
         role=eng.config.role,
         kv_layout=eng.kv_layout(),
         handoff_fingerprint=eng.handoff_fingerprint(),
+        speculative=describe_speculative(eng.config),
     )
 
 

@@ -34,8 +34,10 @@ class ServeError(Exception):
     """A failure with its gRPC status code; `outcome` is the metrics label."""
 
     def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None,
-                 trailers: tuple[tuple[str, str], ...] = (), param: str | None = None):
+                 trailers: tuple[tuple[str, str], ...] = (), param: str | None = None,
+                 http_status: int | None = None):
         super().__init__(message)
+        self.http_status = http_status  # the HTTP API's status where the code's usual one is not apt
         self.param = param  # the request field at fault, when one is (the HTTP API reports it)
         self.code = code
         self.message = message
@@ -62,6 +64,11 @@ class ServeError(Exception):
 
 def invalid_argument(message: str, param: str | None = None) -> ServeError:
     return ServeError(grpc.StatusCode.INVALID_ARGUMENT, message, param=param)
+
+
+def too_large(message: str) -> ServeError:
+    """A request body over its byte limit: INVALID_ARGUMENT, HTTP 413."""
+    return ServeError(grpc.StatusCode.INVALID_ARGUMENT, message, http_status=413)
 
 
 def not_found(message: str, param: str | None = None) -> ServeError:

@@ -16,6 +16,7 @@ import itertools
 import logging
 import time
 
+from jaxserve.engine.outputs import RequestFailed
 from jaxserve.server import errors
 from jaxserve.server.engine_loop import EngineLoop, RequestStream
 
@@ -154,6 +155,8 @@ def terminal(ev):
     if ev[0] == "error":
         raise errors.from_exception(ev[1])
     _, reason, usage, ttft, total, error = ev[:6]
+    if isinstance(error, RequestFailed):  # its own processing raised: INTERNAL, for it alone
+        raise errors.internal(error)
     if error is not None:  # the page tracker failed this request closed
         raise errors.integrity_aborted(error)
     return reason, usage, ttft, total

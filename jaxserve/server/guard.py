@@ -1,7 +1,10 @@
 """What every call passes before a handler runs, as one grpc.aio server interceptor:
 
-- ``jaxserve.v1.JaxServe`` methods need an API key when the server has keys (UNAUTHENTICATED);
-  ``grpc.health.v1`` and reflection stay open.
+- Every service's methods need an API key when the server has keys (UNAUTHENTICATED):
+  ``jaxserve.v1.JaxServe``, ``jaxserve.v1.KvHandoff`` (its offers carry other requests' KV)
+  and whatever is added later. Only ``grpc.health.v1`` and reflection stay open: load
+  balancers and orchestrators probe health without credentials, and reflection describes the
+  public schema (it runs nothing and reads no request's data).
 - Request bytes that do not parse as the method's message get INVALID_ARGUMENT, for every
   service (health and reflection included). grpc's own handling of a failing deserializer
   is UNKNOWN plus a logged traceback per call: here the deserializer returns a ``Malformed``
@@ -20,7 +23,9 @@ from jaxserve.v1 import jaxserve_pb2 as pb
 
 log = logging.getLogger("jaxserve.server")
 
-PROTECTED_PREFIX = "/" + pb.DESCRIPTOR.services_by_name["JaxServe"].full_name + "/"
+JAXSERVE_PREFIX = "/" + pb.DESCRIPTOR.services_by_name["JaxServe"].full_name + "/"
+OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
+                 "grpc.reflection.v1.ServerReflection")
 GENERATION_RPCS = ("Generate", "GenerateStream")  # rejections are counted in jaxserve_requests_total
 
 
@@ -29,6 +34,11 @@ class Malformed:
 
     def __init__(self, error: Exception):
         self.error = error
+
+
+def needs_key(method: str) -> bool:
+    """Whether a method ("/package.Service/Method") needs an API key when keys are set."""
+    return method.split("/")[1] not in OPEN_SERVICES if method.count("/") == 2 else True
 
 
 def _safe(deserialize):
@@ -58,14 +68,14 @@ class RequestGuard(grpc.aio.ServerInterceptor):
             return None
         method = details.method
         rejection = None
-        if method.startswith(PROTECTED_PREFIX) and self.keys.identity(details.invocation_metadata) is None:
+        if needs_key(method) and self.keys.identity(details.invocation_metadata) is None:
             rejection = errors.unauthenticated()
         return self._wrap(handler, method, rejection)
 
     async def _reject(self, method: str, err: errors.ServeError, context) -> None:
         log.info("%s rejected: %s", method, err.message)
         rpc = method.rsplit("/", 1)[-1]
-        if method.startswith(PROTECTED_PREFIX) and rpc in GENERATION_RPCS:
+        if method.startswith(JAXSERVE_PREFIX) and rpc in GENERATION_RPCS:
             self.metrics.requests.labels(rpc, err.outcome).inc()
         await context.abort(err.code, err.message)
 

@@ -12,6 +12,10 @@ prefill worker to release the offer, and streams the generation with the pages i
 its own pool (the digest is checked on device there). A failed pull or digest gives ABORTED,
 or, with ``recompute_on_failure``, a local prefill of the prompt: nothing is lost.
 
+Calls to the prefill worker (PullPages, Release) go over ``peer`` (``auth.PeerCredentials``:
+TLS with its CA and optional client certificate) with its API key, or, without one, the
+credentials the Decode call itself came with. The guard checks every KvHandoff call's key.
+
 Test-only fault injection (prefill side): ``$JAXSERVE_HANDOFF_FAULT`` is a comma-separated
 list of ``FAULT`` or ``FAULT:REQUEST_ID`` (only that request's offers), FAULT being
 ``corrupt_payload`` (one bit of the grpc payload flipped) or ``die_mid_pull`` (the process
@@ -32,6 +36,7 @@ from jaxserve.engine import prefix_cache
 from jaxserve.engine.sequence import KvImport
 from jaxserve.kv import handoff
 from jaxserve.server import errors
+from jaxserve.server.auth import PeerCredentials, forwarded
 from jaxserve.server.errors import ServeError
 from jaxserve.server.kv_transport import GrpcTransport, JaxTransferTransport, PullError, chunks
 from jaxserve.v1 import handoff_pb2 as hpb
@@ -73,10 +78,14 @@ def parse_faults(spec: str) -> dict[str, str]:
 
 class KvHandoffService(hpb_grpc.KvHandoffServicer):
     """jax: the JaxServeService (validation, engine streams, accounting); engine: read-only
-    facts (layouts, fingerprint) from the LLMEngine; address: this server's gRPC address."""
+    facts (layouts, fingerprint) from the LLMEngine; address: this server's gRPC address as
+    others reach it (the offers name it); bind_host: where the transfer server listens (the
+    gRPC server's bind address; default address's host); peer: credentials for calls to other
+    workers."""
 
     def __init__(self, jax_service, engine, metrics, address: str, transport: str = "grpc", ttl_s: float = 30.0,
-                 pull_timeout_s: float = 10.0, max_offers: int = 64):
+                 pull_timeout_s: float = 10.0, max_offers: int = 64, bind_host: str | None = None,
+                 peer: PeerCredentials | None = None):
         self.jax, self.engine, self.address = jax_service, engine, address
         self.role = engine.config.role
         self.ttl_s, self.pull_timeout_s, self.max_offers = ttl_s, pull_timeout_s, max_offers
@@ -88,14 +97,16 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
         self._tasks: set = set()  # background Release calls (kept referenced until done)
         self.faults = parse_faults(os.environ.get(FAULT_ENV, ""))
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.peer = peer or PeerCredentials()
         # The transfer server starts on first use (an offer or a pull over it).
-        self.transfer = JaxTransferTransport(address.rsplit(":", 1)[0])
+        advertised = address.rsplit(":", 1)[0]
+        self.transfer = JaxTransferTransport(bind_host or advertised, advertised)
         self.transports = {"grpc": GrpcTransport(self._channel), "transfer": self.transfer}
         self.transport = transport  # what Prefill offers over unless the request names one
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address)
+            self._channels[address] = self.peer.aio_channel(address)
         return self._channels[address]
 
     async def close(self) -> None:
@@ -209,12 +220,13 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
             await self.jax.run_stream(req, context, "Decode")
             return
         offer = request.offer
+        md = self.peer.metadata or forwarded(context.invocation_metadata())  # for the prefill worker
         try:
             live = self._check_offer(offer)
         except ServeError as e:
             self.metrics.handoff_failures.labels(e.outcome).inc()
             if offer.address and e.code != grpc.StatusCode.INVALID_ARGUMENT:
-                self._release_later(offer, pulled=False)  # refused: the prefill worker may free it now
+                self._release_later(offer, md, pulled=False)  # refused: the prefill worker may free it now
             await context.abort(e.code, e.message, e.trailing_metadata())
         req.token_ids.CopyFrom(pb.TokenIds(ids=list(offer.prompt_token_ids)))  # the ids the pages hold
         req.apply_chat_template = False
@@ -224,7 +236,7 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
         try:
             if not live:  # never pull an expired offer (a transfer pull of a drained one would hang)
                 raise PullError("expired", f"KV offer {offer.transfer_id} has expired")
-            payload = await self._pull(offer)
+            payload = await self._pull(offer, md)
             kw = dict(kv_import=KvImport(payload, offer.digest, offer.first_token_ids[0], offer.cached_tokens,
                                          request.recompute_on_failure))
         except PullError as e:
@@ -232,9 +244,9 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
             log.warning("KV handoff %s: %s%s", offer.transfer_id, e,
                         "; prefilling here" if request.recompute_on_failure else "")
             if not request.recompute_on_failure:
-                self._release_later(offer, pulled=False)
+                self._release_later(offer, md, pulled=False)
                 await context.abort(grpc.StatusCode.ABORTED, str(e), ((errors.INTEGRITY_CAUSE_KEY, e.cause),))
-        self._release_later(offer, pulled=kw is not None or offer.transport == "grpc")
+        self._release_later(offer, md, pulled=kw is not None or offer.transport == "grpc")
         await self.jax.run_stream(req, context, "Decode", kw)
 
     def _check_offer(self, offer: hpb.HandoffOffer) -> bool:
@@ -262,13 +274,14 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
             raise errors.invalid_argument(str(e)) from None
         return offer.expires_unix_s - EXPIRY_MARGIN_S >= time.time()  # False: expired
 
-    async def _pull(self, offer: hpb.HandoffOffer) -> handoff.KvPayload:
+    async def _pull(self, offer: hpb.HandoffOffer, metadata: tuple) -> handoff.KvPayload:
         h = self.engine.runner.handoff
         n = -(-offer.num_tokens // self.page_size)
         fmt = self.engine.runner.fmt.name
         left = min(self.pull_timeout_s, offer.expires_unix_s - time.time())
         t0 = time.perf_counter()
-        payload = await self.transports[offer.transport].pull(offer, h.specs(fmt, n), h.leaf_axes(), n, fmt, left)
+        payload = await self.transports[offer.transport].pull(offer, h.specs(fmt, n), h.leaf_axes(), n, fmt, left,
+                                                              metadata)
         self.metrics.handoff_pulls.labels(offer.transport).inc()
         self.metrics.handoff_bytes.labels(offer.transport).inc(payload.nbytes)
         self.metrics.handoff_seconds.observe(time.perf_counter() - t0)
@@ -276,13 +289,14 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
                  (time.perf_counter() - t0) * 1e3)
         return payload
 
-    def _release_later(self, offer: hpb.HandoffOffer, pulled: bool) -> None:
+    def _release_later(self, offer: hpb.HandoffOffer, metadata: tuple, pulled: bool) -> None:
         async def release():
             try:
                 stub = hpb_grpc.KvHandoffStub(self._channel(offer.address))
-                await stub.Release(hpb.ReleaseRequest(transfer_id=offer.transfer_id, pulled=pulled), timeout=15)
+                await stub.Release(hpb.ReleaseRequest(transfer_id=offer.transfer_id, pulled=pulled), timeout=15,
+                                   metadata=metadata or None)
             except grpc.aio.AioRpcError as e:  # the prefill worker is gone: its offers went with it
-                log.info("Release(%s) failed: %s", offer.transfer_id, e.code().name)
+                log.info("Release(%s) failed: %s: %s", offer.transfer_id, e.code().name, e.details())
 
         task = asyncio.ensure_future(release())
         self._tasks.add(task)

@@ -4,12 +4,17 @@ One interface, ``offer`` on the prefill side (make the payload pullable) and ``p
 decode side (get it, with its own watchdog), ``drain`` for an offer nobody will pull:
 
 - ``GrpcTransport``: the bytes of the real pages stream over ``KvHandoff.PullPages`` (chunks
-  of ``CHUNK_BYTES``), under a gRPC deadline. Works everywhere; the reference transport.
+  of ``CHUNK_BYTES``), under a gRPC deadline, on the caller's channel (TLS when the worker has
+  ``--worker-ca``) with the caller's API key. Works everywhere; the reference transport.
 - ``JaxTransferTransport``: ``jax.experimental.transfer`` (the bucketed payload moves device to
   device over the transfer library's own sockets). Its pulls of an id nobody offers (or one
   already pulled) hang and ignore their timeout, so each pull runs on its own daemon thread
   that the watchdog abandons; the receiver never pulls an expired offer, and the prefill side
-  drains an offer nobody pulled by pulling it itself.
+  drains an offer nobody pulled by pulling it itself. Its control messages (the offer in
+  Prefill's answer, Release) go over gRPC with TLS and keys like everything else, but the
+  library's data sockets have neither encryption nor authentication: what protects a payload
+  there is that its 64-bit random id is only ever sent over the authenticated gRPC calls, and
+  the bytes cross the network in the clear. Use it inside a trusted network only.
 - ``device_put`` (two engines in one process): the payload's arrays are placed on the
   receiving pool's devices by ``jax.device_put`` inside ``HandoffPrograms.import_``, so no
   transport object is needed (``LLMEngine.add_request(kv_import=...)`` with the exported payload).
@@ -63,11 +68,12 @@ class GrpcTransport:
         self._channel_for = channel_for  # address -> grpc.aio.Channel (cached by the caller)
 
     async def pull(self, offer: hpb.HandoffOffer, specs, leaf_axes, num_pages: int, fmt: str,
-                   timeout: float) -> handoff.KvPayload:
+                   timeout: float, metadata: tuple = ()) -> handoff.KvPayload:
         stub = hpb_grpc.KvHandoffStub(self._channel_for(offer.address))
         parts, expect = [], 0
         try:
-            call = stub.PullPages(hpb.PullPagesRequest(transfer_id=offer.transfer_id), timeout=timeout)
+            call = stub.PullPages(hpb.PullPagesRequest(transfer_id=offer.transfer_id), timeout=timeout,
+                                  metadata=metadata or None)
             async for chunk in call:
                 if chunk.index != expect:
                     raise PullError("bad_payload", f"chunk {chunk.index} arrived, {expect} expected")
@@ -87,12 +93,13 @@ class GrpcTransport:
 
 
 class JaxTransferTransport:
-    """One transfer server per process (started on first use, bound to ``host``)."""
+    """One transfer server per process (started on first use, bound to ``host``; its address
+    as others reach it names ``advertise_host`` instead)."""
 
     name = "transfer"
 
-    def __init__(self, host: str = "127.0.0.1"):
-        self.host = host
+    def __init__(self, host: str = "127.0.0.1", advertise_host: str | None = None):
+        self.host, self.advertise_host = host, advertise_host or host
         self._server = None
         self._lock = threading.Lock()
         self.abandoned = 0  # pulls the watchdog gave up on (their threads stay blocked)
@@ -110,7 +117,8 @@ class JaxTransferTransport:
 
     @property
     def address(self) -> str:
-        return self.server.address()
+        """Where peers pull from: the bound port on the advertised host."""
+        return f"{self.advertise_host}:{self.server.address().rsplit(':', 1)[1]}"
 
     def offer(self, transfer_id: str, payload: handoff.KvPayload) -> None:
         """Make ``payload`` pullable once under ``transfer_id`` (whole arrays on one device)."""
@@ -143,7 +151,8 @@ class JaxTransferTransport:
             raise PullError("peer_unavailable", f"{type(e).__name__}: {e}") from None
 
     async def pull(self, offer: hpb.HandoffOffer, specs, leaf_axes, num_pages: int, fmt: str,
-                   timeout: float) -> handoff.KvPayload:
+                   timeout: float, metadata: tuple = ()) -> handoff.KvPayload:
+        """metadata: unused (the transfer library's sockets carry no credentials)."""
         home = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         specs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=home) for s in specs]
         leaves = await self._pull(offer.transfer_address, transfer_uuid(offer.transfer_id), specs, timeout)
@@ -155,7 +164,7 @@ class JaxTransferTransport:
         home = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         specs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=home) for s in specs]
         try:
-            await self._pull(self.address, transfer_uuid(transfer_id), specs, timeout)
+            await self._pull(self.server.address(), transfer_uuid(transfer_id), specs, timeout)
             return True
         except PullError as e:
             log.warning("draining KV offer %s: %s", transfer_id, e)

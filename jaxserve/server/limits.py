@@ -32,7 +32,10 @@ PROMPT_BYTES_PER_TOKEN = 32
 
 @dataclasses.dataclass(frozen=True)
 class ServeLimits:
-    """The server's limits; None for max_prompt_bytes = PROMPT_BYTES_PER_TOKEN x max context."""
+    """The server's limits; None for max_prompt_bytes = PROMPT_BYTES_PER_TOKEN x max context,
+    for max_messages = the max context (every chat template marks each message with at least
+    one token, so more messages than that cannot fit), for max_body_bytes = what a body within
+    max_prompt_bytes can take as JSON (6 bytes per character escaped, plus 1 MiB)."""
 
     max_stop_strings: int = 64  # --max-stop-strings
     max_stop_bytes: int = 8192  # --max-stop-bytes: UTF-8 bytes of all stop strings together
@@ -41,26 +44,30 @@ class ServeLimits:
     max_streams_per_peer: int = 64  # --max-streams-per-connection
     max_streams: int = 1024  # --max-streams
     stream_idle_timeout_s: float = 30.0  # --stream-idle-timeout
+    max_messages: int | None = None  # --max-messages: messages of one chat, checked before templating
+    max_body_bytes: int | None = None  # --max-body-bytes: an HTTP body, counted while it arrives
+    max_json_depth: int = 64  # --max-json-depth: nesting of an HTTP body, checked before parsing
     # --max-queued-per-client: requests one client may have waiting while another client has
     # requests in flight (0 = no bound; a lone client may fill the whole queue).
     max_queued_per_client: int = 64
 
     def __post_init__(self):
         lowest = dict(max_stop_strings=0, max_stop_bytes=0, max_stop_token_ids=0, max_streams_per_peer=1,
-                      max_streams=1, max_queued_per_client=0)
+                      max_streams=1, max_json_depth=1, max_queued_per_client=0)
         for name, low in lowest.items():
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
-        if self.max_prompt_bytes is not None and self.max_prompt_bytes < 1:
-            raise ValueError(f"max_prompt_bytes must be >= 1, got {self.max_prompt_bytes}")
+        for name in ("max_prompt_bytes", "max_messages", "max_body_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.stream_idle_timeout_s > 0:
             raise ValueError(f"stream_idle_timeout_s must be > 0, got {self.stream_idle_timeout_s}")
 
     def resolved(self, max_context: int) -> "ServeLimits":
-        """These limits with max_prompt_bytes filled in from the model's context length."""
-        if self.max_prompt_bytes is not None:
-            return self
-        return dataclasses.replace(self, max_prompt_bytes=PROMPT_BYTES_PER_TOKEN * max_context)
+        """These limits with the unset ones filled in from the model's context length."""
+        prompt = self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max_context
+        return dataclasses.replace(self, max_prompt_bytes=prompt, max_messages=self.max_messages or max_context,
+                                   max_body_bytes=self.max_body_bytes or 6 * prompt + (1 << 20))
 
 
 def check_stop(stop_strings, stop_token_ids, limits: ServeLimits) -> None:
@@ -86,6 +93,25 @@ def check_text(text: str, limits: ServeLimits, what: str = "the prompt text") ->
     if size > limits.max_prompt_bytes:
         raise errors.invalid_argument(f"{what} is {size} bytes; the limit is {limits.max_prompt_bytes} "
                                       f"(--max-prompt-bytes)")
+
+
+def check_chat(messages, limits: ServeLimits) -> None:
+    """A conversation (objects with role and content) within --max-messages and, roles and
+    contents together, --max-prompt-bytes: checked before it is templated."""
+    if len(messages) > limits.max_messages:
+        raise errors.invalid_argument(f"{len(messages)} messages; the limit is {limits.max_messages} "
+                                      f"(--max-messages)", "messages")
+    check_text("".join(_role(m) + _content(m) for m in messages), limits, "the messages")
+
+
+def _role(m) -> str:
+    r = m.get("role") if isinstance(m, dict) else getattr(m, "role", "")
+    return r if isinstance(r, str) else ""
+
+
+def _content(m) -> str:
+    c = m.get("content") if isinstance(m, dict) else getattr(m, "content", "")
+    return c if isinstance(c, str) else ""
 
 
 class StreamSlots:

@@ -9,6 +9,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 # Latency buckets from sub-millisecond decode steps on a GPU to multi-second CPU prefills.
+_MATMUL_WEIGHTS = ("Stored weights per phase by the matmul path that runs them (refused=1: the format's kernel "
+                   "refused them, the path is its fallback)")
+_PATH_LABELS = ("phase", "path", "refused")
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -54,7 +57,7 @@ class ServerMetrics:
         self.programs_loaded = Gauge("jaxserve_programs_loaded", "Serving programs loaded from the program cache",
                                      registry=r)
         self.serving = Gauge("jaxserve_serving", "1 when warmed up and accepting requests", registry=r)
-        self.info = Info("jaxserve_model", "The served model and its formats", registry=r)
+        self._model_metrics(r)
         # KV handoff (prefill and decode workers, jaxserve.server.handoff_service).
         self.handoff_offers = Counter("jaxserve_kv_handoff_offers", "KV offers made (prefill worker)", registry=r)
         self.handoff_open = Gauge("jaxserve_kv_handoff_open_offers", "KV offers awaiting a pull or release", registry=r)
@@ -68,11 +71,34 @@ class ServerMetrics:
                                          buckets=_LATENCY, registry=r)
         self.handoff_failures = Counter("jaxserve_kv_handoff_failures", "KV handoffs refused or failed, by cause",
                                         ["cause"], registry=r)
+        self._speculative_metrics(r)
         for cause in ("stale_generation", "out_of_range_page", "page_not_owned"):
             self.integrity_mismatches.labels(cause)  # export zeros, so rate() works from the start
         self._seen_mismatches: dict[str, int] = {}
-        self._seen_checks = 0
-        self._seen_rows = 0
+        self._seen_checks = self._seen_rows = 0
+
+    def _speculative_metrics(self, r) -> None:
+        """Speculative decoding (--speculative): acceptance rate = accepted / draft tokens; mean
+        accepted length = 1 + accepted / verify steps."""
+        self.spec_draft = Counter("jaxserve_spec_draft_tokens", "Speculative draft tokens verified", registry=r)
+        self.spec_accepted = Counter("jaxserve_spec_accepted_tokens", "Speculative draft tokens accepted", registry=r)
+        self.spec_steps = Counter("jaxserve_spec_verify_steps", "Requests' verify steps with draft tokens", registry=r)
+        self._seen_spec = (0, 0, 0)
+
+    def _model_metrics(self, r) -> None:
+        """What the server says about its model: formats (info) and the weights per matmul path."""
+        self.info = Info("jaxserve_model", "The served model and its formats", registry=r)
+        self.matmul_weights = Gauge("jaxserve_matmul_path_weights", _MATMUL_WEIGHTS, _PATH_LABELS, registry=r)
+
+    def set_matmul_paths(self, rows_by_phase: dict) -> None:
+        """From ``ModelRunner.weight_path_rows()``: weights per (phase, path, refused)."""
+        for phase, rows in rows_by_phase.items():
+            counts: dict = {}
+            for row in rows:
+                key = (row.path, "1" if row.refused else "0")
+                counts[key] = counts.get(key, 0) + 1
+            for (path, refused), n in counts.items():
+                self.matmul_weights.labels(phase, path, refused).set(n)
 
     def sync_engine(self, snap) -> None:
         """Engine thread, after each step, from ``LLMEngine.snapshot()``: KV gauges and the
@@ -88,6 +114,11 @@ class ServerMetrics:
             self.integrity_checks.inc(snap.integrity_checks - self._seen_checks)
             self.integrity_rows.inc(snap.integrity_rows - self._seen_rows)
             self._seen_checks, self._seen_rows = snap.integrity_checks, snap.integrity_rows
+        spec = (snap.spec_draft_tokens, snap.spec_accepted_tokens, snap.spec_verify_steps)
+        if spec != self._seen_spec:
+            for counter, n, seen in zip((self.spec_draft, self.spec_accepted, self.spec_steps), spec, self._seen_spec):
+                counter.inc(n - seen)
+            self._seen_spec = spec
         for cause, n in snap.integrity_mismatches.items():
             seen = self._seen_mismatches.get(cause, 0)
             if n != seen:

@@ -11,7 +11,7 @@ import dataclasses
 import time
 
 from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.server import convert, errors
+from jaxserve.server import convert, errors, validate
 
 # Fields OpenAI defines that jaxserve does not implement: a request that sets one is refused
 # rather than silently served without it.
@@ -19,7 +19,6 @@ UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_f
                "best_of", "audio", "modalities", "prediction")
 # Sampling fields beyond OpenAI's that vLLM and SGLang accept in the body as well.
 EXTRA_SAMPLING = {"top_k": int, "min_p": float, "repetition_penalty": float, "ignore_eos": bool}
-_TYPES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
 
 
 @dataclasses.dataclass
@@ -41,9 +40,9 @@ class Parsed:
 
     @property
     def text(self) -> str:
-        """What gets tokenized (for the --max-prompt-bytes check)."""
+        """What gets tokenized (for the --max-prompt-bytes check): roles and contents of a chat."""
         if self.messages is not None:
-            return "".join(m["content"] for m in self.messages)
+            return "".join(m["role"] + m["content"] for m in self.messages)
         return self.prompt if isinstance(self.prompt, str) else ""
 
     def params(self, prompt_len: int, max_context: int, max_n: int) -> list[SamplingParams]:
@@ -65,15 +64,17 @@ class Parsed:
 
 
 def _get(body: dict, name: str, kind, default=None):
+    """body[name] as the JSON type `kind` (``validate.typed``); default when absent or null."""
     value = body.get(name)
     if value is None:
         return default
-    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
-    if kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok:
-        raise errors.invalid_argument(f"{name} must be {_TYPES[kind]}, got {value!r}", name)
-    return value
+    return validate.typed(name, value, kind, name)
+
+
+def _int(body: dict, name: str, default=None, lo: int = 0):
+    """body[name] as an int32 in [lo, 2^31 - 1] (the engine's own range checks follow)."""
+    value = body.get(name)
+    return default if value is None else validate.integer(name, value, lo, validate.INT32_MAX, name)
 
 
 def _common(body: dict, chat: bool) -> dict:
@@ -92,6 +93,7 @@ def _common(body: dict, chat: bool) -> dict:
     for name, kind in EXTRA_SAMPLING.items():
         if body.get(name) is not None:
             sampling[name] = _get(body, name, kind)
+    sampling = validate.sampling(sampling)  # int32 / float32: the engine's types
     seed = _get(body, "seed", int)
     if seed is not None:  # OpenAI's seeds are any 64-bit integer: folded into the sampler's range
         sampling["seed"] = seed % (convert.SEED_MAX + 1)
@@ -99,32 +101,33 @@ def _common(body: dict, chat: bool) -> dict:
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise errors.invalid_argument("stop must be a non-empty string or a list of them", "stop")
+    stop = [validate.text(f"stop[{i}]", s, "stop") for i, s in enumerate(stop)]
     ids = body.get("stop_token_ids") or []
-    if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
-        raise errors.invalid_argument("stop_token_ids must be a list of token ids", "stop_token_ids")
-    sampling["stop_token_ids"] = tuple(ids)
-    max_tokens = _get(body, "max_tokens", int)
+    sampling["stop_token_ids"] = tuple(validate.token_ids("stop_token_ids", ids, "stop_token_ids"))
+    max_tokens = _int(body, "max_tokens")
     if chat:
-        max_tokens = _get(body, "max_completion_tokens", int, max_tokens)
+        max_tokens = _int(body, "max_completion_tokens", max_tokens)
     options = _get(body, "stream_options", dict, {})
-    return dict(chat=chat, model=model, sampling=sampling, max_tokens=max_tokens, n=_get(body, "n", int, 1),
-                stream=_get(body, "stream", bool, False), include_usage=bool(options.get("include_usage")),
+    return dict(chat=chat, model=model, sampling=sampling, max_tokens=max_tokens, n=_int(body, "n", 1),
+                stream=_get(body, "stream", bool, False),
+                include_usage=_get(options, "include_usage", bool, False),
                 session_id=_get(body, "session_id", str, ""), stop=stop)
 
 
-def parse_chat(body: dict) -> Parsed:
+def parse_chat(body: dict, max_messages: int) -> Parsed:
+    """A chat body; more than `max_messages` messages are refused before any is looked at."""
     common = _common(body, chat=True)
     messages = body.get("messages")
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise errors.invalid_argument("messages must be a list of {role, content} objects", "messages")
+    if len(messages) > max_messages:
+        raise errors.invalid_argument(f"{len(messages)} messages; the limit is {max_messages} (--max-messages)",
+                                      "messages")
     messages = [dict(m, content=_content(m.get("content"), i)) for i, m in enumerate(messages)]
-    try:
-        messages = convert.check_messages(messages)
-    except errors.ServeError as e:
-        raise errors.invalid_argument(e.message, "messages") from None
+    messages = validate.messages(messages, max_messages, "messages")
     logprobs = None
     if _get(body, "logprobs", bool, False):
-        logprobs = _get(body, "top_logprobs", int, 0)
+        logprobs = _int(body, "top_logprobs", 0)
     elif body.get("top_logprobs") is not None:
         raise errors.invalid_argument("top_logprobs needs logprobs: true", "top_logprobs")
     return Parsed(messages=messages, prompt=None, logprobs=logprobs, **common)
@@ -140,7 +143,8 @@ def _content(content, i: int) -> str:
     return content
 
 
-def parse_completion(body: dict) -> Parsed:
+def parse_completion(body: dict, max_messages: int = 0) -> Parsed:
+    """A completions body (`max_messages`: unused, the same signature as parse_chat)."""
     common = _common(body, chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -150,16 +154,28 @@ def parse_completion(body: dict) -> Parsed:
     if not ok or not prompt:
         raise errors.invalid_argument("prompt must be a non-empty string or token id list (one prompt "
                                       "per request)", "prompt")
+    if isinstance(prompt, str):
+        validate.text("prompt", prompt, "prompt")
+    else:
+        validate.token_ids("prompt", prompt, "prompt")
     if body.get("echo"):
         raise errors.invalid_argument("echo is not supported by this server", "echo")
-    return Parsed(messages=None, prompt=prompt, logprobs=_get(body, "logprobs", int), **common)
+    return Parsed(messages=None, prompt=prompt, logprobs=_int(body, "logprobs"), **common)
 
 
 # ---------------------------------------------------------------------- responses
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, draft_tokens: int = 0,
+          accepted_draft_tokens: int = 0) -> dict:
+    """OpenAI's usage object; with speculative decoding's drafts, ``completion_tokens_details``
+    says how many draft tokens were accepted (completion tokens) and rejected (verified, not
+    returned), as OpenAI reports a prediction's."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if draft_tokens:
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted_draft_tokens,
+                                            "rejected_prediction_tokens": draft_tokens - accepted_draft_tokens}
+    return out
 
 
 class TokenText:

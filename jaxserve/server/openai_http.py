@@ -20,12 +20,13 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
-from jaxserve.server import convert, errors
+from jaxserve.server import convert, errors, validate
 from jaxserve.server import openai_api as api
 from jaxserve.server.errors import ServeError
 from jaxserve.server.generations import choice_events, client_identity, terminal
-from jaxserve.server.limits import check_stop, check_text
+from jaxserve.server.limits import check_chat, check_stop, check_text
 
 log = logging.getLogger("jaxserve.server")
 SESSION_HEADER, REPLICA_HEADER = "x-session-affinity", "x-jaxserve-replica"
@@ -45,6 +46,10 @@ STATUS = {
 }
 
 
+def http_status(err: ServeError) -> int:
+    return err.http_status or STATUS.get(err.code, STATUS[_C.INTERNAL])[0]
+
+
 def error_body(err: ServeError) -> dict:
     _, kind, code = STATUS.get(err.code, STATUS[_C.INTERNAL])
     return {"error": {"message": err.message, "type": kind, "param": err.param, "code": code}}
@@ -55,7 +60,7 @@ def error_response(err: ServeError) -> JSONResponse:
     if err.retry_after_s is not None:  # HTTP's Retry-After is whole seconds; OpenAI's clients also read -ms
         headers = {"retry-after": str(max(1, math.ceil(err.retry_after_s))),
                    "retry-after-ms": str(max(1, round(err.retry_after_s * 1000)))}
-    return JSONResponse(error_body(err), STATUS.get(err.code, STATUS[_C.INTERNAL])[0], headers)
+    return JSONResponse(error_body(err), http_status(err), headers)
 
 
 def sse(obj) -> bytes:
@@ -149,7 +154,7 @@ class OpenAIFrontEnd:
         peer = f"http:{client.host}:{client.port}" if client is not None else "http:local"
         try:
             owner = self._owner(request)
-            req = parse(await self._body(request))
+            req = parse(await self._body(request), self.service.limits.max_messages)
             if req.model != self.model_name:
                 raise errors.not_found(f"the model {req.model!r} does not exist; this server serves "
                                        f"{self.model_name!r} (GET /v1/models)", "model")
@@ -158,7 +163,10 @@ class OpenAIFrontEnd:
                              self.service.max_id_length)
             self.gens.check_serving()
             check_stop(req.stop, req.sampling["stop_token_ids"], self.service.limits)
-            check_text(req.text, self.service.limits)
+            if req.messages is not None:
+                check_chat(req.messages, self.service.limits)
+            else:
+                check_text(req.text, self.service.limits)
             ids = await self._prompt_ids(req)
             info = self.service.info
             params = req.params(len(ids), info.max_context, info.max_num_seqs)
@@ -167,9 +175,16 @@ class OpenAIFrontEnd:
                 slot = True
             rid = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
             stream = self.gens.submit(ids, params, rid, session, owner, arrival, client=client_identity(owner, peer))
-        except ServeError as e:
+        except ClientDisconnect:  # left while sending its body: nobody to answer
+            log.info("%s from %s: the client disconnected while sending its body; outcome=cancelled", label, peer)
+            self.service.metrics.requests.labels(label, "cancelled").inc()
+            return Response(status_code=499)
+        except Exception as e:  # not ServeError: this request's failure alone (a bug), logged once
             if slot:
                 self.service.slots.release(peer)
+            if not isinstance(e, ServeError):
+                log.exception("%s failed", label)
+                e = errors.internal(e)
             self.service.metrics.requests.labels(label, e.outcome).inc()
             return error_response(e)
         headers = {"x-request-id": rid, REPLICA_HEADER: info.replica_id}
@@ -197,13 +212,21 @@ class OpenAIFrontEnd:
         return JSONResponse(body, status, headers if status == 200 else None)
 
     async def _body(self, request: Request):
-        limit = 6 * self.service.limits.max_prompt_bytes + (1 << 20)  # JSON escapes take up to 6 bytes
-        if int(request.headers.get("content-length") or 0) > limit:
-            raise errors.invalid_argument(f"the request body is over {limit} bytes (--max-prompt-bytes)")
-        try:
-            return json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise errors.invalid_argument(f"the body is not valid JSON: {e}") from None
+        """The body as JSON, counted while it arrives (chunked or not): refused (413) as soon
+        as it passes --max-body-bytes, without reading the rest; its nesting bounded (--max-json-depth)."""
+        limits = self.service.limits
+        limit = limits.max_body_bytes
+        too_large = errors.too_large(f"the request body is over {limit} bytes (--max-body-bytes)")
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise too_large if declared.isdigit() else errors.invalid_argument("bad content-length header")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return validate.parse_json(b"".join(chunks), limits.max_json_depth)
 
     async def _prompt_ids(self, req) -> list[int]:
         tok = self.service.llm.tokenizer
@@ -241,12 +264,12 @@ class OpenAIFrontEnd:
             body["choices"] = [api.choice(req, i, texts[i], ends[i][0], self._logprobs(req, ids[i], lps[i], 0))
                                for i in range(n)]
             first = ends[0][1]
-            body["usage"] = api.usage(first.prompt_tokens, sum(e[1].completion_tokens for e in ends),
-                                      first.cached_tokens)
+            sums = [sum(getattr(e[1], f) for e in ends) for f in ("completion_tokens", "draft_tokens", "accepted_draft_tokens")]
+            body["usage"] = api.usage(first.prompt_tokens, sums[0], first.cached_tokens, *sums[1:])
             return body, 200
         except ServeError as e:
             outcome = e.outcome
-            return error_body(e), STATUS.get(e.code, STATUS[_C.INTERNAL])[0]
+            return error_body(e), http_status(e)
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
@@ -257,7 +280,7 @@ class OpenAIFrontEnd:
         """The SSE body: chunks per choice, a usage chunk if asked, then ``data: [DONE]``;
         state["outcome"]: how it ended (the response's on_close counts it)."""
         n = 1 + len(stream.choices)
-        prompt, cached, completion, offsets = [0] * n, [0] * n, [0] * n, [0] * n
+        prompt, cached, completion, offsets, drafts = [0] * n, [0] * n, [0] * n, [0] * n, [(0, 0)] * n
         try:
             async for i, ev in choice_events(stream):
                 out = self._envelope(req, stream, chunk=True)
@@ -277,11 +300,12 @@ class OpenAIFrontEnd:
                     if i == 0:
                         state["outcome"] = reason
                     completion[i] = usage.completion_tokens
+                    drafts[i] = (usage.draft_tokens, usage.accepted_draft_tokens)
                     out["choices"] = [api.chunk_choice(req, i, None if req.chat else "", reason, None)]
                 yield sse(out)
             if req.include_usage:
                 yield sse(dict(self._envelope(req, stream, chunk=True), choices=[],
-                               usage=api.usage(prompt[0], sum(completion), cached[0])))
+                               usage=api.usage(prompt[0], sum(completion), cached[0], *map(sum, zip(*drafts)))))
         except ServeError as e:
             state["outcome"] = e.outcome
             yield sse(error_body(e))

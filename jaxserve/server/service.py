@@ -22,7 +22,7 @@ from jaxserve.server.auth import ApiKeys
 from jaxserve.server.engine_loop import EngineLoop, RequestStream
 from jaxserve.server.errors import ServeError
 from jaxserve.server.generations import Generations, choice_events, client_identity, terminal
-from jaxserve.server.limits import ServeLimits, StreamSlots, check_stop, check_text, watch_unread
+from jaxserve.server.limits import ServeLimits, StreamSlots, check_chat, check_stop, check_text, watch_unread
 from jaxserve.v1 import jaxserve_pb2 as pb
 from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
 
@@ -91,6 +91,9 @@ class JaxServeService(pb_grpc.JaxServeServicer):
             outcome = self._cancel_outcome(context)
             raise
         except Exception as e:
+            if self._client_gone(context, "Generate", e):
+                outcome = "cancelled"
+                return None
             log.exception("Generate failed")
             closed = self._close(stream, "Generate", "internal")
             await context.abort(grpc.StatusCode.INTERNAL, errors.internal(e).message)
@@ -167,6 +170,9 @@ class JaxServeService(pb_grpc.JaxServeServicer):
             context.set_details(f"no stream event read for {self.limits.stream_idle_timeout_s:g}s; "
                                 f"cancelled (--stream-idle-timeout)")
         except Exception as e:
+            if self._client_gone(context, rpc, e):  # a write to a client that has left
+                outcome = "cancelled"
+                return
             log.exception("%s failed", rpc)
             closed = self._close(stream, rpc, "internal")
             await context.abort(grpc.StatusCode.INTERNAL, errors.internal(e).message)
@@ -212,13 +218,14 @@ class JaxServeService(pb_grpc.JaxServeServicer):
     async def prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
         """The request's prompt as ids (texts and conversations within --max-prompt-bytes,
         tokenized off the event loop)."""
+        max_messages = self.limits.max_messages
         if req.messages:
-            check_text("".join(m.content for m in req.messages), self.limits, "the messages")
+            check_chat(req.messages, self.limits)  # before templating them
         elif req.WhichOneof("prompt") != "text":
-            return convert.prompt_ids(req, self.llm.tokenizer)
+            return convert.prompt_ids(req, self.llm.tokenizer, max_messages)
         else:
             check_text(req.text, self.limits)  # before tokenizing it
-        return await self.off_loop(req.text, convert.prompt_ids, req, self.llm.tokenizer)
+        return await self.off_loop(req.text, convert.prompt_ids, req, self.llm.tokenizer, max_messages)
 
     async def open_stream(self, req: pb.GenerateRequest, context, handoff: dict) -> RequestStream:
         """Validate and submit a KV handoff request (KvHandoff.Prefill); the caller reads its
@@ -236,6 +243,16 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         # server's fires, so "expired" allows a little slack.
         remaining = context.time_remaining()
         return "deadline_exceeded" if remaining is not None and remaining < 0.05 else "cancelled"
+
+    @staticmethod
+    def _client_gone(context, rpc: str, error: Exception) -> bool:
+        """An exception raised because the client has gone (grpc fails the write or the
+        status it could no longer receive, sometimes before it cancels the handler): the
+        outcome is ``cancelled``, logged once at INFO when the call is closed, no traceback."""
+        if not context.cancelled():
+            return False
+        log.debug("%s: the client went away (%s: %s)", rpc, type(error).__name__, error)
+        return True
 
     def _close(self, stream: RequestStream | None, rpc: str, outcome: str) -> bool:
         return self.generations.finish(stream, rpc, outcome)

@@ -123,14 +123,18 @@ class Choice(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "draft_tokens", "accepted_draft_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    draft_tokens: int
+    accepted_draft_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("time_to_first_token_s", "total_s")
@@ -265,7 +269,7 @@ class KvPages(_message.Message):
     def __init__(self, total: _Optional[int] = ..., used: _Optional[int] = ..., free: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("architecture", "model", "dtype", "prefill", "decode", "page_size", "num_pages", "max_context", "vocab_size", "fingerprint", "has_tokenizer", "eos_token_ids", "max_num_seqs", "max_waiting", "integrity_check", "kv_pages", "replica_id", "memory", "role", "kv_layout", "handoff_fingerprint")
+    __slots__ = ("architecture", "model", "dtype", "prefill", "decode", "page_size", "num_pages", "max_context", "vocab_size", "fingerprint", "has_tokenizer", "eos_token_ids", "max_num_seqs", "max_waiting", "integrity_check", "kv_pages", "replica_id", "memory", "role", "kv_layout", "handoff_fingerprint", "speculative")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +291,7 @@ class ModelInfo(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     model: str
     dtype: str
@@ -308,7 +313,8 @@ class ModelInfo(_message.Message):
     role: str
     kv_layout: str
     handoff_fingerprint: str
-    def __init__(self, architecture: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., prefill: _Optional[_Union[PhaseFormats, _Mapping]] = ..., decode: _Optional[_Union[PhaseFormats, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., fingerprint: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_num_seqs: _Optional[int] = ..., max_waiting: _Optional[int] = ..., integrity_check: _Optional[bool] = ..., kv_pages: _Optional[_Union[KvPages, _Mapping]] = ..., replica_id: _Optional[str] = ..., memory: _Optional[_Union[MemoryReport, _Mapping]] = ..., role: _Optional[str] = ..., kv_layout: _Optional[str] = ..., handoff_fingerprint: _Optional[str] = ...) -> None: ...
+    speculative: str
+    def __init__(self, architecture: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., prefill: _Optional[_Union[PhaseFormats, _Mapping]] = ..., decode: _Optional[_Union[PhaseFormats, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., fingerprint: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_num_seqs: _Optional[int] = ..., max_waiting: _Optional[int] = ..., integrity_check: _Optional[bool] = ..., kv_pages: _Optional[_Union[KvPages, _Mapping]] = ..., replica_id: _Optional[str] = ..., memory: _Optional[_Union[MemoryReport, _Mapping]] = ..., role: _Optional[str] = ..., kv_layout: _Optional[str] = ..., handoff_fingerprint: _Optional[str] = ..., speculative: _Optional[str] = ...) -> None: ...
 
 class MemoryReport(_message.Message):
     __slots__ = ("weight_bytes_prefill", "weight_bytes_decode", "weight_bytes_resident", "kv_bytes", "kv_pages", "kv_bytes_per_token", "max_cached_tokens")

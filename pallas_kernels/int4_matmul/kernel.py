@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as pl_triton
 
 from pallas_kernels.int4_matmul import validate
 
-_STATIC = ("group", "interpret", "block_m", "block_n", "num_warps", "num_stages")
+_STATIC = ("group", "interpret", "block_m", "block_n", "num_warps", "num_stages", "out_dtype")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -105,7 +105,7 @@ def _params(num_warps: int, num_stages: int):
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _dense(x, packed, scales, *, group, interpret, block_m, block_n, num_warps, num_stages):
+def _dense(x, packed, scales, *, group, interpret, block_m, block_n, num_warps, num_stages, out_dtype):
     m, k = x.shape
     n = packed.shape[1]
     mp = _cdiv(m, block_m) * block_m
@@ -120,7 +120,7 @@ def _dense(x, packed, scales, *, group, interpret, block_m, block_n, num_warps, 
             pl.BlockSpec((k // group, block_n), lambda i, j: (0, j)),
         ],
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((mp, n), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((mp, n), out_dtype),
         interpret=interpret,
         compiler_params=_params(num_warps, num_stages),
         name=f"int4_matmul_g{group}",
@@ -140,7 +140,8 @@ def tile_expert_ranges(group_sizes, rows_padded: int, block_m: int):
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _grouped(x, packed, scales, group_sizes, *, group, interpret, block_m, block_n, num_warps, num_stages):
+def _grouped(x, packed, scales, group_sizes, *, group, interpret, block_m, block_n, num_warps, num_stages,
+             out_dtype):
     m, k = x.shape
     e, _, n = packed.shape
     mp = _cdiv(m, block_m) * block_m
@@ -159,7 +160,7 @@ def _grouped(x, packed, scales, group_sizes, *, group, interpret, block_m, block
             pl.BlockSpec((None, 2), lambda i, j: (i, 0)),
         ],
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((mp, n), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((mp, n), out_dtype),
         interpret=interpret,
         compiler_params=_params(num_warps, num_stages),
         name=f"int4_grouped_matmul_g{group}",
@@ -177,8 +178,10 @@ def _blocks(block_m: int, block_n: int | None, n_default: int) -> tuple[int, int
 
 
 def int4_matmul(x, packed, scales, *, group: int, tile: int | None = None, interpret: bool = False,
-                block_m: int = 16, block_n: int | None = None, num_warps: int = 4, num_stages: int = 2):
-    """x [M, K] (bf16/f16/f32) @ int4 weights -> [M, N] in x.dtype.
+                block_m: int = 16, block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                out_dtype=None):
+    """x [M, K] (bf16/f16/f32) @ int4 weights -> [M, N] in ``out_dtype`` (default x.dtype; the
+    f32 accumulator is rounded to it once: float32 keeps a partial sum whole).
 
     packed [K/2, N] uint8 and scales [K/group, N] (float32, or bf16/f16) as
     ``jaxserve.quant.int4.Int4GroupFormat(group).quantize`` stores them (``values``,
@@ -190,15 +193,16 @@ def int4_matmul(x, packed, scales, *, group: int, tile: int | None = None, inter
     bm, bn = _blocks(block_m, block_n, dims["block_n"])
     if dims["n"] % bn:
         raise ValueError(f"block_n={bn} must divide N={dims['n']}")
-    return _dense(x, packed, scales, group=group, interpret=interpret,
-                  block_m=bm, block_n=bn, num_warps=num_warps, num_stages=num_stages)
+    return _dense(x, packed, scales, group=group, interpret=interpret, block_m=bm, block_n=bn,
+                  num_warps=num_warps, num_stages=num_stages, out_dtype=jnp.dtype(out_dtype or x.dtype))
 
 
 def int4_grouped_matmul(x, packed, scales, group_sizes, *, group: int, tile: int | None = None,
                         interpret: bool = False, block_m: int = 16, block_n: int | None = None,
-                        num_warps: int = 4, num_stages: int = 2):
+                        num_warps: int = 4, num_stages: int = 2, out_dtype=None):
     """Ragged-by-expert W4A16 (MoE): x [M, K] sorted by expert; packed [E, K/2, N] uint8;
-    scales [E, K/group, N]; group_sizes [E] int32 (rows per expert, in order) -> [M, N].
+    scales [E, K/group, N]; group_sizes [E] int32 (rows per expert, in order) -> [M, N] in
+    ``out_dtype`` (default x.dtype).
     Weights and `tile` as in `int4_matmul`.
 
     Rows past sum(group_sizes) come back 0 (like lax.ragged_dot). A row tile that spans
@@ -210,5 +214,5 @@ def int4_grouped_matmul(x, packed, scales, group_sizes, *, group: int, tile: int
     bm, bn = _blocks(block_m, block_n, dims["block_n"])
     if dims["n"] % bn:
         raise ValueError(f"block_n={bn} must divide N={dims['n']}")
-    return _grouped(x, packed, scales, group_sizes, group=group, interpret=interpret,
-                    block_m=bm, block_n=bn, num_warps=num_warps, num_stages=num_stages)
+    return _grouped(x, packed, scales, group_sizes, group=group, interpret=interpret, block_m=bm, block_n=bn,
+                    num_warps=num_warps, num_stages=num_stages, out_dtype=jnp.dtype(out_dtype or x.dtype))

@@ -11,6 +11,8 @@ from jaxserve.router.cli import main
     (["--prefill", "127.0.0.1:1"], "need decode workers"),
     (["--worker", "127.0.0.1:1", "--worker", "127.0.0.1:1"], "given twice"),
     (["--worker", "127.0.0.1:1", "--health-interval", "0"], "health interval"),
+    (["--worker", "127.0.0.1:1", "--worker-cert", "c.pem"], "needs both --worker-cert and --worker-key"),
+    (["--worker", "127.0.0.1:1", "--worker-api-key", "a b"], "visible ASCII"),
 ])
 def test_configuration_errors_exit_2(argv, message, capsys):
     assert main(["route", "--port", "0", "--metrics-port", "-1", *argv]) == 2

@@ -2,13 +2,13 @@
 reference engine compiles the same programs and reads them from the test compile cache), and
 the steps of a handoff driven by hand from the test process: Prefill on a prefill worker,
 PullPages of the offer's bytes, and an in-process engine that imports exactly those pages (the
-single-process reference of a handed-off request)."""
+single-process reference of a handed-off request). ``creds`` (``auth.PeerCredentials``) reach
+workers started with TLS and API keys; None: plaintext, no key."""
 from __future__ import annotations
 
 import sys
 
-import grpc
-
+from jaxserve.server.auth import PeerCredentials
 from jaxserve.v1 import handoff_pb2 as hpb
 from jaxserve.v1 import handoff_pb2_grpc as hpb_grpc
 
@@ -36,25 +36,30 @@ def metrics_port(output: str) -> int:
     return int(output.split("metrics port ")[1].split(")")[0])
 
 
-def prefill(addr: str, req, layout: str, timeout: float = 60) -> hpb.HandoffOffer:
-    with grpc.insecure_channel(addr) as ch:
-        return hpb_grpc.KvHandoffStub(ch).Prefill(hpb.PrefillRequest(request=req, target_kv_layout=layout),
-                                                  timeout=timeout)
+def prefill(addr: str, req, layout: str, timeout: float = 60, creds: PeerCredentials | None = None,
+            transport: str = "") -> hpb.HandoffOffer:
+    creds = creds or PeerCredentials()
+    with creds.channel(addr) as ch:
+        return hpb_grpc.KvHandoffStub(ch).Prefill(
+            hpb.PrefillRequest(request=req, target_kv_layout=layout, transport=transport), timeout=timeout,
+            metadata=creds.metadata or None)
 
 
-def pull_bytes(addr: str, offer) -> bytes:
+def pull_bytes(addr: str, offer, creds: PeerCredentials | None = None) -> bytes:
     """An offer's payload over PullPages (the offer stays until released)."""
-    with grpc.insecure_channel(addr) as ch:
+    creds = creds or PeerCredentials()
+    with creds.channel(addr) as ch:
         chunks = list(hpb_grpc.KvHandoffStub(ch).PullPages(hpb.PullPagesRequest(transfer_id=offer.transfer_id),
-                                                            timeout=30))
+                                                            timeout=30, metadata=creds.metadata or None))
     assert [c.index for c in chunks] == list(range(len(chunks))) and chunks[-1].last
     return b"".join(c.data for c in chunks)
 
 
-def release(addr: str, offer, pulled: bool = True) -> bool:
-    with grpc.insecure_channel(addr) as ch:
+def release(addr: str, offer, pulled: bool = True, creds: PeerCredentials | None = None) -> bool:
+    creds = creds or PeerCredentials()
+    with creds.channel(addr) as ch:
         return hpb_grpc.KvHandoffStub(ch).Release(hpb.ReleaseRequest(transfer_id=offer.transfer_id, pulled=pulled),
-                                                  timeout=30).released
+                                                  timeout=30, metadata=creds.metadata or None).released
 
 
 def payload_of(llm, offer, data: bytes):

@@ -5,6 +5,11 @@ position (the scoring program, ``LLM.logprobs``) per KV format to an .npz file; 
 also places a row-split tensor and records which rows it read.
 
     python -m tests.server.multihost_worker MODEL COORDINATOR STEP_PORT PROCESS_ID OUT.npz
+
+With ``roles`` first, the group is a prefill worker and then a decode worker (``role=``):
+process 0 warms the decode worker's KV handoff programs, exports the prompt's pages from the
+prefill worker, imports them into the decode worker and decodes greedily (every call mirrored
+to process 1), and writes the tokens, the payload and both handoff fingerprints.
 """
 from __future__ import annotations
 
@@ -73,7 +78,63 @@ def main(model: str, coordinator: str, step_port: str, process_id: str, out: str
     return 0
 
 
+ROLES_ENGINE = dict(ENGINE, num_pages=8)  # 2 prompt pages of 8; handoff buckets of 4 and 8 pages
+DECODE_TOKENS = 6
+
+
+def _run_engine(engine, *args, **kw):
+    """One request through ``engine`` -> (its tokens, its last output)."""
+    engine.add_request(*args, **kw)
+    toks, last = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            toks += out.new_token_ids
+            last = out if out.finished else last
+    return toks, last
+
+
+def roles(model: str, coordinator: str, step_port: str, process_id: str, out: str) -> int:
+    import numpy as np
+
+    from jaxserve.engine.sampling_params import SamplingParams
+    from jaxserve.engine.sequence import KvImport
+    from jaxserve.kv.handoff import digest_hex
+    from jaxserve.multihost.channel import StepFollower, StepLeader
+    from jaxserve.multihost.follower import follow
+    from jaxserve.multihost.launch import group_config, initialize
+
+    group = group_config(coordinator, 2, int(process_id), step_port=int(step_port), peer_timeout_s=20)
+    initialize(group, init_timeout_s=60)
+    from jaxserve import LLM
+
+    prefill = LLM(model, kv_format="bf16", num_devices=8, role="prefill", **ROLES_ENGINE)
+    decode = LLM(model, kv_format="bf16", num_devices=8, role="decode", **ROLES_ENGINE)
+    if not group.is_leader:
+        channel = StepFollower(group, connect_timeout_s=60)
+        follow(prefill.runner, channel)
+        follow(decode.runner, channel)
+        channel.close()
+        return 0
+    channel = StepLeader(group, "127.0.0.1", accept_timeout_s=60)
+    params = SamplingParams(max_tokens=DECODE_TOKENS, ignore_eos=True)
+    prefill.runner.set_mirror(channel.send)
+    _, last = _run_engine(prefill.engine, PROMPT, params, "p", export_kv="bf16")
+    payload = last.kv_export
+    channel.send("stop")
+    decode.runner.set_mirror(channel.send)
+    decode.runner.warmup_handoff(["bf16"], imports=True)
+    first = last.completion.token_ids[0]
+    toks, _ = _run_engine(decode.engine, PROMPT, params, "d", kv_import=KvImport(payload, digest_hex(payload.digest),
+                                                                                   first))
+    channel.send("stop")
+    channel.close()
+    np.savez(out, tokens=np.array(toks), first=first, digest=np.asarray(payload.digest),
+             fingerprints=np.array([prefill.engine.handoff_fingerprint(), decode.engine.handoff_fingerprint()]),
+             **{f"leaf{i}": np.asarray(x) for i, x in enumerate(payload.leaves)})
+    return 0
+
+
 if __name__ == "__main__":
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"  # before jax is imported
     os.environ["JAX_PLATFORMS"] = "cpu"
-    sys.exit(main(*sys.argv[1:]))
+    sys.exit(roles(*sys.argv[2:]) if sys.argv[1] == "roles" else main(*sys.argv[1:]))

@@ -9,6 +9,13 @@ recompute, a decode worker killed behind the router ends its stream with an expl
 the rest move, a prefill worker killed mid-pull leaves the decode worker to prefill; every
 request ends with its tokens (those of a single fp8 engine when the decode worker prefilled) or
 an explicit status, and no page or offer is left. The tests run in order: they kill workers.
+
+Every hop is secured with real certificates (tests/server/certs.py): each worker serves mTLS
+(client certificates required) with the API key ``worker-key``; the router serves TLS with its
+own key ``router-key`` and calls the workers with a client certificate and ``worker-key``;
+decode worker B pulls from the prefill worker with its own ``--worker-api-key``, C with the key
+its Decode call came with. The prefill worker advertises ``localhost`` (in its certificate), so
+every pull also goes to the advertised address, not the bound one.
 """
 from __future__ import annotations
 
@@ -23,7 +30,9 @@ import pytest
 from jaxserve.client import Client, build_request, finish_reason
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.router.affinity import rendezvous_order
+from jaxserve.server.auth import PeerCredentials
 
+from .certs import make_certs
 from .conftest import IDS_A, IDS_B, eventually, metric, scrape
 from .disagg_setup import ENGINE_KW, import_reference, metrics_port, payload_of, prefill, pull_bytes, release, \
     served_address, worker_args
@@ -42,23 +51,50 @@ def fresh_prompt(k: int) -> list[int]:
     return [(97 * k + 13 * i) % 40000 + 200 for i in range(19)]
 
 
+WORKER_KEY, ROUTER_KEY = "worker-key", "router-key"
+PEER: PeerCredentials | None = None  # the workers' client credentials (set by the cluster fixture)
+
+
 @pytest.fixture(scope="module")
-def cluster(tiny_text_model):
+def certs(tmp_path_factory):
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+def worker_tls(certs) -> list[str]:
+    return ["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key), "--tls-client-ca",
+            str(certs.ca), "--api-key", WORKER_KEY]
+
+
+def client_tls(certs) -> list[str]:
+    return ["--worker-ca", str(certs.ca), "--worker-cert", str(certs.client_cert), "--worker-key",
+            str(certs.client_key)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_text_model, certs):
+    global PEER
+    PEER = PeerCredentials(certs.ca.read_bytes(), certs.client_cert.read_bytes(), certs.client_key.read_bytes(),
+                           WORKER_KEY)
     env = server_env()
     procs = {"prefill": ServeProcess(worker_args(tiny_text_model, "--role", "prefill", "--kv-format", "bf16",
-                                                 "--handoff-ttl", str(TTL_S)), server_env(JAXSERVE_HANDOFF_FAULT=FAULTS))}
-    for name in ("decode_b", "decode_c"):  # the decode default: an fp8_e4m3 pool
-        procs[name] = ServeProcess(worker_args(tiny_text_model, "--role", "decode", "--pull-timeout", "3"), env)
+                                                 "--handoff-ttl", str(TTL_S), "--advertise-host", "localhost",
+                                                 *worker_tls(certs)), server_env(JAXSERVE_HANDOFF_FAULT=FAULTS))}
+    for name, key in (("decode_b", ["--worker-api-key", WORKER_KEY]), ("decode_c", [])):  # pool: fp8_e4m3
+        procs[name] = ServeProcess(worker_args(tiny_text_model, "--role", "decode", "--pull-timeout", "3",
+                                               *worker_tls(certs), *client_tls(certs), *key), env)
     router = client = None
     try:
         addrs = {name: served_address(p.wait_for("SERVING on", 240)) for name, p in procs.items()}
         router = ServeProcess([sys.executable, "-m", "jaxserve.router.cli", "route", "--port", "0", "--metrics-port",
                                "0", "--health-interval", "0.2", "--unhealthy-after", "1", "--prefill",
-                               addrs["prefill"], "--decode", addrs["decode_b"], "--decode", addrs["decode_c"]], env)
+                               addrs["prefill"], "--decode", addrs["decode_b"], "--decode", addrs["decode_c"],
+                               "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+                               "--api-key", ROUTER_KEY, *client_tls(certs), "--worker-api-key", WORKER_KEY], env)
         line = router.wait_for("routing on", timeout=60)
         assert "3 up" in line, router.output
-        client = Client(re.search(r"routing on (127\.0\.0\.1:\d+)", line).group(1), timeout=60)
-        yield dict(procs=procs, addrs=addrs, router=router, client=client,
+        target = re.search(r"routing on (127\.0\.0\.1:\d+)", line).group(1)
+        client = Client(target, timeout=60, api_key=ROUTER_KEY, root_certificates=certs.ca.read_bytes())
+        yield dict(procs=procs, addrs=addrs, router=router, client=client, target=target,
                    router_metrics=lambda: scrape(metrics_port(router.output)))
     finally:
         if client is not None:
@@ -77,7 +113,8 @@ def fp8(tiny_text_model):
 
 
 def info(addr: str):
-    with Client(addr, timeout=30) as c:
+    with Client(addr, timeout=30, api_key=WORKER_KEY, root_certificates=PEER.ca, private_key=PEER.key,
+                certificate_chain=PEER.cert) as c:
         return c.model_info()
 
 
@@ -99,12 +136,14 @@ def handed_off(cluster, fp8):
     out = {}
     for name, (ids, kw) in PROMPTS.items():
         req = build_request(ids, **kw)
-        assert release(addr, prefill(addr, req, layout), pulled=False)  # cold: its full pages enter the cache
-        offer = prefill(addr, req, layout)
+        # cold: its full pages enter the cache
+        assert release(addr, prefill(addr, req, layout, creds=PEER), pulled=False, creds=PEER)
+        offer = prefill(addr, req, layout, creds=PEER)
         assert offer.kv_layout == layout and offer.cached_tokens > 0
         params = SamplingParams(**{**kw, "seed": offer.sampling_seed})
-        want = import_reference(fp8, offer, payload_of(fp8, offer, pull_bytes(addr, offer)), params, f"ref-{name}")
-        assert release(addr, offer)
+        data = pull_bytes(addr, offer, creds=PEER)
+        assert release(addr, offer, creds=PEER)  # before the reference runs: the offer lives TTL_S only
+        want = import_reference(fp8, offer, payload_of(fp8, offer, data), params, f"ref-{name}")
         out[name] = (want, offer.cached_tokens)
     return out
 
@@ -126,8 +165,142 @@ def test_tokens_through_the_router_are_an_fp8_engine_reading_the_converted_pages
     assert metric(m, "jaxserve_router_handoff_bytes_total") > 0
 
 
+def _code(fn) -> grpc.StatusCode:
+    try:
+        fn()
+    except grpc.RpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+def test_every_service_needs_the_key_but_health_and_reflection(cluster, certs):
+    """KvHandoff (Prefill, PullPages, Release, Decode) and JaxServe on every worker, and the
+    router's endpoint: UNAUTHENTICATED without the key or with another one, even over mTLS
+    with a good client certificate; health and reflection answer without one."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from jaxserve.v1 import handoff_pb2 as hpb
+    from jaxserve.v1 import handoff_pb2_grpc as hpb_grpc
+    from jaxserve.v1 import jaxserve_pb2 as pb
+    from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
+
+    addrs, unauth = cluster["addrs"], grpc.StatusCode.UNAUTHENTICATED
+    paddr = addrs["prefill"]
+    ids, kw = PROMPTS["greedy"]
+    req = build_request(ids, **kw)
+    layout = info(addrs["decode_b"]).kv_layout
+    offer = prefill(paddr, req, layout, creds=PEER)  # a live offer: another tenant's KV
+    assert offer.address == f"localhost:{paddr.rsplit(':', 1)[1]}"  # the advertised host, not the bound one
+    nokey = PeerCredentials(PEER.ca, PEER.cert, PEER.key)
+    mds = (None, (("authorization", f"Bearer {ROUTER_KEY}"),), (("x-api-key", "nope"),))
+    with nokey.channel(paddr) as ch:  # quickly: the offer lives TTL_S
+        h = hpb_grpc.KvHandoffStub(ch)
+        for md in mds:
+            assert _code(lambda: h.Prefill(hpb.PrefillRequest(request=req, target_kv_layout=layout), timeout=30,
+                                           metadata=md)) == unauth
+            assert _code(lambda: list(h.PullPages(hpb.PullPagesRequest(transfer_id=offer.transfer_id), timeout=30,
+                                                  metadata=md))) == unauth
+            assert _code(lambda: h.Release(hpb.ReleaseRequest(transfer_id=offer.transfer_id), timeout=30,
+                                           metadata=md)) == unauth
+    assert release(paddr, offer, pulled=False, creds=PEER)  # still there: nothing above touched it
+    for md in mds:
+        for name in ("decode_b", "decode_c"):
+            with nokey.channel(addrs[name]) as ch:
+                h = hpb_grpc.KvHandoffStub(ch)
+                for dreq in (hpb.DecodeRequest(request=req), hpb.DecodeRequest(request=req, offer=offer)):
+                    assert _code(lambda: list(h.Decode(dreq, timeout=30, metadata=md))) == unauth, name
+                assert _code(lambda: pb_grpc.JaxServeStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=30,
+                                                                            metadata=md)) == unauth
+    for addr in (paddr, addrs["decode_b"]):
+        with nokey.channel(addr) as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            answers = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+            names = {s.name for a in answers for s in a.list_services_response.service}
+            assert "jaxserve.v1.KvHandoff" in names, names
+    # The router's endpoint: its own key (not the workers'), over TLS only.
+    ca = certs.ca.read_bytes()
+    for key in (None, WORKER_KEY):
+        with Client(cluster["target"], timeout=30, api_key=key, root_certificates=ca) as c:
+            assert c.health() == "SERVING"
+            assert _code(lambda: c.generate(ids, **kw)) == unauth
+            assert _code(c.model_info) == unauth
+    with Client(cluster["target"], timeout=5, api_key=ROUTER_KEY) as plain:
+        assert _code(plain.health) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_decode_workers_pull_over_mtls_with_their_key_or_the_callers(cluster, handed_off):
+    """Prefill worker -> decode worker over mTLS with the key, both transports: B sends its
+    --worker-api-key, C the key its Decode call came with; no recompute allowed, so a pull that
+    failed would be an error, and the tokens are those of the pages handed off."""
+    from jaxserve.server.disagg_client import generate_disaggregated
+
+    addrs = cluster["addrs"]
+    ids, kw = PROMPTS["greedy"]
+    want, _ = handed_off["greedy"]
+    pulls = {}
+    for name, transport in (("decode_b", "grpc"), ("decode_c", "grpc"), ("decode_b", "transfer")):
+        r = generate_disaggregated(addrs["prefill"], addrs[name], build_request(ids, **kw), recompute_on_failure=False,
+                                   transport=transport, credentials=PEER)
+        assert r.offer is not None and r.offer.transport == transport, (name, transport)
+        assert r.token_ids == want, (name, transport)
+        pulls[name, transport] = metric(scrape(metrics_port(cluster["procs"][name].output)),
+                                        "jaxserve_kv_handoff_pulls_total", transport=transport)
+    assert all(n >= 1 for n in pulls.values()), pulls
+    assert eventually(lambda: _open_offers(cluster) == 0, timeout=10)  # every offer released over mTLS
+
+
+def test_a_wrong_ca_or_plaintext_fails_closed_with_the_reason(cluster, tmp_path, caplog):
+    """Credentials from another CA (or none) reach nothing: the worker-to-worker pull fails
+    with grpc's TLS reason (the offer stays), generate_disaggregated gets UNAVAILABLE, and a
+    router never takes the workers up and says why."""
+    import asyncio
+    import logging
+
+    from jaxserve.router.app import RouterThread
+    from jaxserve.server.disagg_client import generate_disaggregated
+    from jaxserve.server.kv_transport import GrpcTransport, PullError
+
+    addrs, paddr = cluster["addrs"], cluster["addrs"]["prefill"]
+    other = make_certs(tmp_path)
+    wrong = PeerCredentials(other.ca.read_bytes(), other.client_cert.read_bytes(), other.client_key.read_bytes(),
+                            WORKER_KEY)
+    ids, kw = PROMPTS["greedy"]
+    offer = prefill(paddr, build_request(ids, **kw), info(addrs["decode_b"]).kv_layout, creds=PEER)
+
+    async def pull(creds):
+        ch = creds.aio_channel(offer.address)
+        try:
+            await GrpcTransport(lambda a: ch).pull(offer, [], [], 0, "", 10.0, creds.metadata)
+        finally:
+            await ch.close()
+
+    bad = (wrong, PeerCredentials(api_key=WORKER_KEY))  # another CA; plaintext
+    for creds in bad:
+        with pytest.raises(PullError) as e:
+            asyncio.run(pull(creds))
+        assert e.value.cause == "peer_unavailable" and "UNAVAILABLE" in str(e.value), e.value
+    assert release(paddr, offer, pulled=False, creds=PEER)  # the failed pulls left it in place
+    for creds in bad:
+        with pytest.raises(grpc.RpcError) as e:
+            generate_disaggregated(paddr, addrs["decode_b"], build_request(ids, **kw), credentials=creds, timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    workers = [(paddr, "prefill"), (addrs["decode_b"], "decode")]
+    with caplog.at_level(logging.WARNING, logger="jaxserve.router"):
+        with RouterThread(workers, peer=wrong, metrics_port=None, health_interval_s=0.2) as rt:
+            with Client(rt.target, timeout=10) as c:
+                assert c.health() == "NOT_SERVING"
+                assert _code(lambda: c.generate(ids, **kw)) == grpc.StatusCode.UNAVAILABLE
+    failed = [r.getMessage() for r in caplog.records if "health check of worker" in r.getMessage()]
+    for addr, _ in workers:  # each worker's check failed, and the log says it was the TLS handshake
+        mine = [m for m in failed if addr in m]
+        assert mine and any(w in m.lower() for m in mine for w in ("ssl", "handshake", "certificate")), failed
+
+
 def _replica(client: Client, prompt, **kw) -> str:
-    _, call = client.stub.Generate.with_call(build_request(prompt, **kw), timeout=60)
+    _, call = client.stub.Generate.with_call(build_request(prompt, **kw), timeout=60, metadata=client.call_metadata())
     return dict(call.initial_metadata())["x-jaxserve-replica"]
 
 

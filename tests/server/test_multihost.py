@@ -104,26 +104,59 @@ def assert_same_logprobs(got: list[tuple[int, float, dict]], ref: list[tuple[int
         np.testing.assert_allclose(a, b, rtol=0, atol=ATOL, err_msg=f"max gap {np.abs(a - b).max():.3g}")
 
 
-def test_python_api_prompt_logprobs_and_own_rows(moe, single, tmp_path):
-    out = tmp_path / "two.npz"
+def run_worker_group(tmp_path, mode: list[str], model: str, out, timeout_s: float = 150) -> None:
+    """``multihost_worker`` [mode] on 2 processes; both must exit 0 within ``timeout_s``."""
     coord, step = f"127.0.0.1:{free_port()}", str(free_port())
-    cmd = [sys.executable, "-m", "tests.server.multihost_worker", moe, coord, step]
+    cmd = [sys.executable, "-m", "tests.server.multihost_worker", *mode, model, coord, step]
     logs = [tmp_path / f"process{i}.log" for i in (1, 0)]  # files: a full pipe cannot block a process
     procs = [subprocess.Popen(cmd + [str(i), str(out)], env=group_env(), stdout=log.open("w"),
                               stderr=subprocess.STDOUT) for i, log in zip((1, 0), logs)]
     try:
         for p in procs:
-            p.wait(timeout=150)
+            p.wait(timeout=timeout_s)
     finally:
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], "\n".join(log.read_text() for log in logs)
+
+
+def test_python_api_prompt_logprobs_and_own_rows(moe, single, tmp_path):
+    out = tmp_path / "two.npz"
+    run_worker_group(tmp_path, [], moe, out)
     for i in (0, 1):  # each process read only the rows its own devices hold, one row per device
         placed = np.load(f"{out}.process{i}.npz")
         assert bool(placed["ok"]) and sorted(map(tuple, placed["rows"])) == [(r, r + 1) for r in range(4 * i, 4 * i + 4)]
     got = np.load(out)
     for fmt in worker.FORMATS:
         np.testing.assert_allclose(got[fmt], single[fmt]["prompt_logprobs"], rtol=0, atol=ATOL)
+
+
+def test_prefill_and_decode_workers_over_two_processes(moe, tmp_path):
+    """A prefill worker and a decode worker, each over 2 processes x 4 devices: the pages the
+    prefill worker exports, imported by the decode worker (its handoff programs warmed first,
+    every call mirrored), decode to a 1-process engine's greedy tokens; the same payload
+    decodes to them on a 1-process decode worker, and the handoff fingerprints equal the
+    1-process workers' (so the router pairs them with 1-process peers)."""
+    from jaxserve import LLM
+    from jaxserve.engine.sampling_params import SamplingParams
+    from jaxserve.engine.sequence import KvImport
+    from jaxserve.kv.handoff import KvPayload, digest_hex
+
+    out = tmp_path / "roles.npz"
+    run_worker_group(tmp_path, ["roles"], moe, out, timeout_s=300)
+    got = np.load(out)
+    params = SamplingParams(max_tokens=worker.DECODE_TOKENS, ignore_eos=True)
+    want = list(LLM(moe, kv_format="bf16", num_devices=8, **worker.ROLES_ENGINE).generate([worker.PROMPT], params)[0])
+    assert got["tokens"].tolist() == want and int(got["first"]) == want[0]
+    one = {r: LLM(moe, kv_format="bf16", num_devices=8, role=r, **worker.ROLES_ENGINE).engine
+           for r in ("prefill", "decode")}
+    assert got["fingerprints"].tolist() == [one["prefill"].handoff_fingerprint()] * 2
+    assert one["decode"].handoff_fingerprint() == one["prefill"].handoff_fingerprint()
+    leaves = [got[f"leaf{i}"] for i in range(len([k for k in got.files if k.startswith("leaf")]))]
+    payload = KvPayload("bf16", 2, 4, leaves, got["digest"])
+    toks, _ = worker._run_engine(one["decode"], worker.PROMPT, params, "d",
+                                 kv_import=KvImport(payload, digest_hex(got["digest"]), want[0]))
+    assert toks == want
 
 
 @pytest.fixture(scope="module")

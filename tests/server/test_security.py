@@ -11,7 +11,9 @@ import pytest
 from grpc_health.v1 import health, health_pb2_grpc
 
 from jaxserve.client import Client, finish_reason
-from jaxserve.server.auth import ApiKeys, identity_of, keys_from, server_credentials
+from jaxserve.server.address import advertised_host, is_unspecified, join
+from jaxserve.server.auth import ApiKeys, PeerCredentials, forwarded, identity_of, keys_from, server_credentials
+from jaxserve.server.guard import needs_key
 
 from .certs import make_certs
 from .conftest import CONVERSATION, http_call
@@ -46,6 +48,56 @@ def test_tls_options_must_come_in_pairs():
         with pytest.raises(ValueError):
             server_credentials(cert, key, ca)
     assert server_credentials(None, None) is None
+
+
+def test_every_service_needs_a_key_but_health_and_reflection():
+    for method in ("/jaxserve.v1.JaxServe/Generate", "/jaxserve.v1.KvHandoff/PullPages",
+                   "/jaxserve.v1.KvHandoff/Decode", "/some.future.Service/Call", "/bogus"):
+        assert needs_key(method), method
+    for method in ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch",
+                   "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"):
+        assert not needs_key(method), method
+
+
+def test_peer_credentials_come_in_consistent_sets(tmp_path):
+    with pytest.raises(ValueError, match="both --worker-cert and --worker-key"):
+        PeerCredentials(ca=b"ca", cert=b"c")
+    with pytest.raises(ValueError, match="needs --worker-ca"):
+        PeerCredentials(cert=b"c", key=b"k")
+    with pytest.raises(ValueError, match="visible ASCII"):
+        PeerCredentials(api_key="two words")
+    assert PeerCredentials(api_key="k1").metadata == (("authorization", "Bearer k1"),)
+    assert PeerCredentials().metadata == () and not PeerCredentials().tls
+    (tmp_path / "ca.pem").write_bytes(b"CA")
+    p = PeerCredentials.from_files(str(tmp_path / "ca.pem"), environ={"JAXSERVE_WORKER_API_KEY": " env-k "})
+    assert (p.ca, p.tls, p.api_key) == (b"CA", True, "env-k")
+    assert PeerCredentials.from_files(api_key="flag", environ={"JAXSERVE_WORKER_API_KEY": "env"}).api_key == "flag"
+    md = [("authorization", "Bearer x"), ("x-api-key", "y"), ("x-session-affinity", "s"), ("x-api-key", b"z")]
+    assert forwarded(md) == (("authorization", "Bearer x"), ("x-api-key", "y"))
+
+
+def test_the_advertised_host_is_one_peers_can_reach():
+    assert advertised_host("10.1.2.3") == "10.1.2.3"
+    assert advertised_host("127.0.0.1", "worker-3.example") == "worker-3.example"
+    for bad in ("0.0.0.0", "::", "[::]", ""):
+        assert is_unspecified(bad)
+        with pytest.raises(ValueError, match="not an address peers can connect to"):
+            advertised_host("127.0.0.1", bad)
+    for bind in ("0.0.0.0", "::"):  # every interface: this machine's routable address, or a refusal
+        try:
+            host = advertised_host(bind)
+        except ValueError as e:
+            assert "--advertise-host" in str(e)
+        else:
+            assert not is_unspecified(host) and not host.startswith("127."), host
+    assert join("::1", 5) == "[::1]:5" and join("h", 5) == "h:5"
+
+
+def test_serve_refuses_an_unspecified_advertisement_before_loading(capsys):
+    from jaxserve.server.cli import main
+
+    assert main(["serve", "--role", "prefill", "--advertise-host", "0.0.0.0", "--metrics-port", "-1"]) == 2
+    assert "not an address peers can connect to" in capsys.readouterr().err
 
 
 def test_serve_defaults_keep_metrics_on_loopback():

@@ -1,0 +1,211 @@
+"""Speculative decoding on the engine's side: draft tokens per request before the scheduler
+runs, the acceptance of one verify call's logits, the rollback of rejected tokens' pages, and
+each request's acceptance figures (and the switch that turns its speculation off while it
+does not pay).
+
+A request drafts only while decoding and when its drafts cannot pass its limits: at most
+``max_tokens - generated - 1`` and ``max_model_len - length - 1`` of them, so every token a
+verify call can emit is one the request may still generate. The scheduler maps slots for the
+drafts only where free pages allow (speculation never preempts); after the verify call the
+pages past what the request's tokens need are released (``BlockManager.truncate``: the
+generation bump makes any page table that still maps one fail the integrity check).
+
+Auto-off: every verify call a request drafts in adds its drafted and accepted counts to a
+window; once the window holds ``WINDOW`` drafted tokens, its speculation pauses for ``backoff``
+generated tokens (doubling each time, up to ``MAX_BACKOFF``) when it did not pay: an acceptance
+rate below ``min_acceptance``, or fewer tokens per verify call (1 + accepted / calls) than a
+verify call costs in decode steps (``cost_ratio``: the two programs' measured wall times at the
+batch's bucket, from the engine's step records). A window that paid resets the backoff.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from jaxserve.engine.sampler import penalty_inputs
+from jaxserve.engine.speculative.verify import verify_rows
+
+WINDOW = 16
+FIRST_BACKOFF, MAX_BACKOFF = 16, 512
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """One request's speculation figures (``Sequence.spec``)."""
+
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # ... of which accepted
+    verify_steps: int = 0  # verify calls with at least one draft token of this request
+    window_drafted: int = 0
+    window_accepted: int = 0
+    window_steps: int = 0
+    paused_until: int = 0  # no drafts until the request has generated this many tokens
+    backoff: int = FIRST_BACKOFF
+    pauses: int = 0
+    pages_rolled_back: int = 0
+    last_rollback: list = dataclasses.field(default_factory=list)  # (page, generation it was mapped at)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify call with drafts (accepted drafts + the one it always emits)."""
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+
+class SpeculativeDecoder:
+    def __init__(self, proposer, vocab_size: int, max_model_len: int, block_manager, min_acceptance: float):
+        self.proposer, self.k = proposer, proposer.k
+        self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self.bm = block_manager
+        self.min_acceptance = min_acceptance
+        self.drafted = self.accepted = self.verify_steps = 0  # engine totals (metrics)
+        self._seconds: dict[tuple[str, int], float] = {}  # (phase, bucket rows) -> EWMA wall time per call
+        self._bucket = 1  # of the verify call being recorded
+
+    def observe(self, rec) -> None:
+        """A step observer (``LLMEngine.add_step_observer``): the decode and verify calls' times."""
+        if rec.phase in ("decode", "verify"):
+            key = (rec.phase, rec.batch)
+            old = self._seconds.get(key)
+            self._seconds[key] = rec.seconds if old is None else 0.8 * old + 0.2 * rec.seconds
+
+    def cost_ratio(self, batch: int) -> float:
+        """A verify call's wall time in decode calls at this bucket (1.0 until both are measured)."""
+        v, d = self._seconds.get(("verify", batch)), self._seconds.get(("decode", batch))
+        return v / d if v and d else 1.0
+
+    def totals(self) -> dict:
+        """The engine's figures since start, as ``EngineSnapshot`` fields."""
+        return dict(spec_draft_tokens=self.drafted, spec_accepted_tokens=self.accepted,
+                    spec_verify_steps=self.verify_steps)
+
+    @property
+    def verify_tokens(self) -> int:
+        """T of the verify programs: the last token and k drafts."""
+        return self.k + 1
+
+    def propose(self, running) -> None:
+        """Set ``draft_ids`` of every running sequence (empty where it drafts nothing this step)."""
+        for seq in running:
+            seq.draft_ids = []
+            if seq.in_prefill or not seq.output_ids or seq.finished:
+                continue
+            if seq.spec is None:
+                seq.spec = SpecStats()
+            if len(seq.output_ids) < seq.spec.paused_until:
+                continue
+            limit = min(seq.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.total_len - 1)
+            seq.draft_ids = self.proposer.propose(seq.all_ids, limit)
+
+    def verifies(self, decode, bucket) -> bool:
+        """Whether this decode batch runs as a verify call: some row drafted and its bucket
+        (None while warm-up has not built it) exists. If not, the drafts are dropped (their
+        slots fill as the requests grow)."""
+        if bucket is not None and any(s.draft_ids for s in decode):
+            return True
+        for s in decode:
+            s.draft_ids = []
+        return False
+
+    def verify(self, decode, run, emit, events) -> None:
+        """One verify call over every decode row (``run(rows)``: its last token and its drafts,
+        KV written for all), the acceptance, then each row's tokens emitted in order
+        (``emit(seq, token, logprob, top, now, events)`` -> finished: a stop inside the run ends
+        it) and the rejected drafts' pages rolled back."""
+        self._bucket = _bucket(len(decode))
+        res = run([(s, [s.output_ids[-1]] + s.draft_ids, s.total_len - 1) for s in decode])
+        live = [(i, s) for i, s in enumerate(decode) if res.ok[i] and not s.finished]
+        now = time.perf_counter()
+        for (_, s), (toks, lps, tops) in zip(live, self.accept(res.logits, live) if live else []):
+            s.draft_ids = []
+            for tok, lp, top in zip(toks, lps, tops):
+                if emit(s, tok, lp, top, now, events):
+                    break
+            if not s.finished:
+                s.num_computed = s.total_len - 1  # the last token and the accepted drafts were written
+                self.bm.commit_full_pages(s.request_id, s.all_ids[: s.num_computed])
+                self.rollback(s)
+
+    def accept(self, logits, rows) -> list[tuple[list[int], list[float], list]]:
+        """rows: (logits row, Sequence) of one verify call -> per row (tokens to emit: accepted
+        drafts then the correction / bonus token, their log-probs, top log-probs or None)."""
+        b = _bucket(len(rows))
+        t = self.verify_tokens
+        idx, nd, drafts = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros((b, t - 1), np.int32)
+        temp, top_p, min_p = np.zeros(b, np.float32), np.ones(b, np.float32), np.zeros(b, np.float32)
+        top_k, seeds, steps = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
+        for j, (i, s) in enumerate(rows):
+            p = s.params
+            idx[j], nd[j] = i, len(s.draft_ids)
+            drafts[j, : nd[j]] = s.draft_ids
+            temp[j], top_p[j], min_p[j], top_k[j] = p.temperature, p.top_p, p.min_p, p.top_k
+            seeds[j], steps[j] = s.seed, len(s.output_ids)
+        penalties = any(s.params.uses_penalties for _, s in rows)
+        extra = penalty_inputs(rows, b, self.vocab_size) if penalties else {}
+        n_lp = max(((s.params.logprobs or 0) for _, s in rows), default=0)
+        n_lp = 0 if all(s.params.logprobs is None for _, s in rows) else _bucket(max(n_lp, 1))
+        greedy = all(s.params.greedy for _, s in rows)
+        out = verify_rows(logits, idx, drafts, nd, temp, top_k, top_p, min_p, seeds, steps, **extra,
+                          all_greedy=greedy, penalties=penalties, num_logprobs=n_lp)
+        accepted, tokens, lp, top_ids, top_lp = map(np.asarray, out)
+        res = []
+        for j, (_, s) in enumerate(rows):
+            n = int(accepted[j]) + 1
+            m = s.params.logprobs or 0
+            tops = [{int(a): float(c) for a, c in zip(top_ids[j, q, :m], top_lp[j, q, :m])} if n_lp else None
+                    for q in range(n)]
+            res.append((tokens[j, :n].tolist(), lp[j, :n].tolist(), tops))
+            self._record(s, int(nd[j]), n - 1)
+        return res
+
+    def _record(self, seq, drafted: int, accepted: int) -> None:
+        st = seq.spec
+        if st is None or drafted == 0:
+            return
+        st.drafted += drafted
+        st.accepted += accepted
+        st.verify_steps += 1
+        self.drafted, self.accepted, self.verify_steps = (self.drafted + drafted, self.accepted + accepted,
+                                                          self.verify_steps + 1)
+        st.window_drafted += drafted
+        st.window_accepted += accepted
+        st.window_steps += 1
+        if st.window_drafted >= WINDOW:
+            per_call = 1 + st.window_accepted / st.window_steps
+            if st.window_accepted < self.min_acceptance * st.window_drafted or per_call < self.cost_ratio(self._bucket):
+                st.paused_until = len(seq.output_ids) + accepted + 1 + st.backoff
+                st.backoff = min(2 * st.backoff, MAX_BACKOFF)
+                st.pauses += 1
+            else:
+                st.backoff = FIRST_BACKOFF
+            st.window_drafted = st.window_accepted = st.window_steps = 0
+
+    def rollback(self, seq) -> list[int]:
+        """Release the pages past what the request's tokens need (rejected drafts' slots), in the
+        block manager and in the request's own page table; -> the pages released."""
+        released = self.bm.truncate(seq.request_id, seq.total_len)
+        keep = len(self.bm.page_table(seq.request_id))
+        if released and seq.spec is not None:
+            seq.spec.pages_rolled_back += len(released)
+            seq.spec.last_rollback = list(zip(seq.pages[keep:], seq.expected[keep:]))
+        del seq.pages[keep:], seq.expected[keep:]
+        return released
+
+    def warm(self, logits_for) -> None:
+        """Compile the acceptance for every verify bucket (greedy and sampled, no penalties or
+        log-probs, as the plain samplers are): ``logits_for(b)`` gives a verify call's logits."""
+        t = self.verify_tokens
+        for b, logits in logits_for():
+            z, f = np.zeros(b, np.int32), np.zeros(b, np.float32)
+            for greedy in (True, False):
+                verify_rows(logits, z, np.zeros((b, t - 1), np.int32), z, f, z, np.ones(b, np.float32), f, z, z,
+                            all_greedy=greedy, penalties=False, num_logprobs=0)
+
+
+def _bucket(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()

@@ -1,0 +1,123 @@
+"""jaxserve's native CPU kernels: small-batch matmuls on the stored weight bytes, as XLA FFI
+custom calls inside the jitted programs.
+
+The C++ source is ``csrc/matmul.cc``; the normal install (``pip install -e .``, i.e.
+``scripts/setup.sh``) compiles it into ``_kernels*.so`` next to this file (setup.py, XLA's FFI
+headers from ``jax.ffi.include_dir()``). ``status()`` loads it once, asks it which copy of the
+kernels the CPU runs (cpuid: AVX-512 F/BW/VL/DQ, else AVX2; both with FMA and F16C) and registers the handlers for the CPU platform; when
+any of that fails, or ``JAXSERVE_NATIVE=0`` is set, ``available()`` is False, the reason is
+logged once, and the matmul registry keeps XLA's own formulations.
+
+Entry points (x f32 [M, K]; all return f32 [M, N] except ``w8a8_s32``):
+- ``int4_w4a16(x, packed, scales, group)``: jaxserve's int4 group layout, x padded to Kp;
+- ``int8_w8a16(x, q, scales)``: int8 per channel, f32 activations;
+- ``w8a8_s32(xq, q)``: int8 x int8, exact int32 [M, N];
+- ``fp8_w8a16(x, bits, scales, bk, bn)``: e4m3 bits (uint8) with a scale per (bk x bn) block;
+- ``bf16_w16a32(x, w)``: bf16 weights widened exactly to f32.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import logging
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger(__name__)
+TARGETS = ("jaxserve_int4_w4a16", "jaxserve_int8_w8a16", "jaxserve_fp8_w8a16", "jaxserve_bf16_w16a32",
+           "jaxserve_w8a8_s32")
+ENV = "JAXSERVE_NATIVE"  # "0": do not use the native kernels
+ISA_NAMES = {2: "avx512", 1: "avx2"}  # JAXSERVE_NATIVE_ISA=avx2 keeps AVX-512 machines on the AVX2 copy
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeStatus:
+    available: bool
+    reason: str  # why not, or what was loaded
+    library: str | None = None
+    isa: str | None = None  # "avx512" | "avx2": the kernels' instruction set (from cpuid)
+
+
+def _library_path() -> pathlib.Path | None:
+    found = sorted(pathlib.Path(__file__).parent.glob("_kernels*.so"))
+    return found[0] if found else None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def status() -> NativeStatus:
+    """Load and register the kernels once; say why not where they cannot run."""
+    st = _load()
+    (log.info if st.available else log.warning)("native CPU kernels: %s", st.reason)
+    return st
+
+
+def _load() -> NativeStatus:
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return NativeStatus(False, f"disabled by {ENV}=0; XLA's own matmul paths run")
+    path = _library_path()
+    if path is None:
+        return NativeStatus(False, "library not built (reinstall with `pip install -e .` and a C++17 compiler); "
+                                   "XLA's own matmul paths run")
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return NativeStatus(False, f"library {path.name} failed to load ({e}); XLA's own matmul paths run")
+    level = lib.jaxserve_native_isa()
+    if level not in ISA_NAMES:
+        missing = [f for f in ("avx2", "fma", "f16c") if f not in _cpu_flags()]
+        return NativeStatus(False, f"CPU lacks {', '.join(missing) or 'AVX2/FMA/F16C'}; XLA's own matmul paths run")
+    for name in TARGETS:
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+    return NativeStatus(True, f"loaded {path.name}, {ISA_NAMES[level]} kernels (cpuid)", str(path), ISA_NAMES[level])
+
+
+def available() -> bool:
+    return status().available
+
+
+def _f32(rows: int, cols: int, dtype=jnp.float32):
+    if not available():
+        raise RuntimeError(f"native CPU kernels unavailable: {status().reason}")
+    return jax.ShapeDtypeStruct((rows, cols), dtype)
+
+
+def int4_w4a16(x, packed, scales, group: int):
+    """x f32 [M, Kp] (zero-padded), packed u8 [Kp/2, N], scales f32 [Kp/G, N] -> f32 [M, N]."""
+    return jax.ffi.ffi_call("jaxserve_int4_w4a16", _f32(x.shape[0], packed.shape[1]))(
+        x.astype(jnp.float32), packed, scales, group=np.int64(group))
+
+
+def int8_w8a16(x, q, scales):
+    """x f32 [M, K], q s8 [K, N], scales f32 [1, N] -> f32 [M, N]."""
+    return jax.ffi.ffi_call("jaxserve_int8_w8a16", _f32(x.shape[0], q.shape[1]))(x.astype(jnp.float32), q, scales)
+
+
+def w8a8_s32(xq, q):
+    """xq s8 [M, K], q s8 [K, N] -> exact int32 [M, N]."""
+    return jax.ffi.ffi_call("jaxserve_w8a8_s32", _f32(xq.shape[0], q.shape[1], jnp.int32))(xq, q)
+
+
+def fp8_w8a16(x, bits, scales, bk: int, bn: int):
+    """x f32 [M, K], bits u8 [K, N] (e4m3fn), scales f32 [ceil(K/bk), ceil(N/bn)] -> f32 [M, N]."""
+    return jax.ffi.ffi_call("jaxserve_fp8_w8a16", _f32(x.shape[0], bits.shape[1]))(
+        x.astype(jnp.float32), bits, scales, bk=np.int64(bk), bn=np.int64(bn))
+
+
+def bf16_w16a32(x, w):
+    """x f32 [M, K], w bf16 [K, N] -> f32 [M, N]."""
+    return jax.ffi.ffi_call("jaxserve_bf16_w16a32", _f32(x.shape[0], w.shape[1]))(x.astype(jnp.float32), w)

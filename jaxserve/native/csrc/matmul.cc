@@ -1,0 +1,277 @@
+// jaxserve's native CPU matmul kernels for small batches (decode), reached from the jitted
+// programs as XLA FFI custom calls (registered for the CPU platform by jaxserve.native).
+//
+// Every kernel computes y[M, N] = x[M, K] . decode(w)[K, N] reading w as jaxserve stores it
+// (row-major [K, N], N contiguous), one 64-column panel at a time: each stored row of a panel
+// is one 64-byte line for int4 / int8 / fp8 (two for bf16), decoded to float32 in registers
+// and multiplied into M x 64 float32 accumulators. Nothing dense is ever written. The panel of
+// one weight is read once per 4 rows of x (it stays in L2 between row chunks), so the cost is
+// the weight's stored bytes for the batches decode runs (M <= 8).
+//
+// Formats (see jaxserve/quant/*.py for the layouts):
+//   int4 groups  w u8 [Kp/2, N] (group tile: low nibbles rows t*G+j, high rows t*G+G/2+j),
+//                scales f32 [Kp/G, N]; w = nibble * scale  (x f32 [M, Kp], zero-padded)
+//   int8 channel w s8 [K, N], scales f32 [1, N]
+//   fp8 e4m3     w u8 [K, N] (e4m3fn bits), scales f32 [ceil(K/bk), ceil(N/bn)]
+//   bf16         w u16 [K, N] (bf16 bits), no scales
+//   W8A8 exact   x s8 [M, K], w s8 [K, N] -> s32 [M, N]: products accumulate in float32 over
+//                chunks of 1024 k (|partial sum| <= 1024 * 127 * 127 < 2^24: every partial sum
+//                is an integer float32 holds exactly), then into int32: exact int32 result.
+//
+// Threads: the panels are shared out over XLA's intra-op thread pool (the FFI ThreadPool) by
+// an atomic counter; the calling thread works too and waits only for panels already claimed,
+// so a task that starts late finds nothing left and nothing can deadlock.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kExactChunk = 1024;
+
+struct Job {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t total = 0;
+  std::function<void(int64_t)> fn;
+};
+
+int64_t ThreadCap() {
+  static const int64_t cap = [] {
+    const char* s = std::getenv("JAXSERVE_NATIVE_THREADS");
+    int64_t v = s ? std::atoll(s) : 0;
+    return v > 0 ? v : int64_t(std::max(1u, std::thread::hardware_concurrency()));
+  }();
+  return cap;
+}
+
+void Work(Job& job) {
+  for (int64_t i; (i = job.next.fetch_add(1, std::memory_order_relaxed)) < job.total;) {
+    job.fn(i);
+    job.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+// fn(chunk) for chunk in [0, total), over the pool's threads and the caller.
+void ParallelFor(ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> fn) {
+  int64_t threads = std::min({pool.num_threads(), ThreadCap(), total});
+  if (threads <= 1) {
+    for (int64_t i = 0; i < total; ++i) fn(i);
+    return;
+  }
+  auto job = std::make_shared<Job>();
+  job->total = total;
+  job->fn = std::move(fn);
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([job] { Work(*job); });
+  Work(*job);
+  while (job->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+}
+
+// Panels per chunk: about 8 chunks per thread, at least one panel.
+int64_t PanelsPerChunk(int64_t panels) {
+  return std::max<int64_t>(1, panels / (8 * ThreadCap()));
+}
+
+
+// ----------------------------------------------------------------------------- AVX-512
+namespace avx512 {
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")
+struct Isa {
+  using F = __m512;
+  static constexpr int W = 16;
+  static constexpr int kRows = 4;  // 4 rows x 4 vectors = 16 of the 32 zmm registers
+  static F Zero() { return _mm512_setzero_ps(); }
+  static F Set1(float v) { return _mm512_set1_ps(v); }
+  static F Mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F Fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F LoadF(const float* p) { return _mm512_loadu_ps(p); }
+  static void StoreF(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F Int8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static F Bf16(const uint16_t* p) {
+    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  }
+  // e4m3fn -> f16 bits (sign; exponent and mantissa shifted by 7) = 2^-8 x the value, for
+  // subnormals and NaN too; the caller folds the 2^8 into the scales.
+  static F Fp8(const uint8_t* p) {
+    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    __m256i mag = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
+    __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+    return _mm512_cvtph_ps(_mm256_or_si256(mag, sign));
+  }
+  static void Nibbles(const uint8_t* p, F& lo, F& hi) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(b, 28), 28));
+    hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(b, 24), 28));
+  }
+};
+#include "kernels.inc"
+#pragma GCC pop_options
+}  // namespace avx512
+
+// ----------------------------------------------------------------------------- AVX2
+namespace avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2,f16c,fma")
+struct Isa {
+  using F = __m256;
+  static constexpr int W = 8;
+  static constexpr int kRows = 2;  // 2 rows x 4 vectors = 8 of the 16 ymm registers
+  static F Zero() { return _mm256_setzero_ps(); }
+  static F Set1(float v) { return _mm256_set1_ps(v); }
+  static F Mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F Fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F LoadF(const float* p) { return _mm256_loadu_ps(p); }
+  static void StoreF(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F Int8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static F Bf16(const uint16_t* p) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  }
+  static F Fp8(const uint8_t* p) {  // as avx512::Isa::Fp8
+    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    __m128i mag = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
+    __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+    return _mm256_cvtph_ps(_mm_or_si128(mag, sign));
+  }
+  static void Nibbles(const uint8_t* p, F& lo, F& hi) {
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 28), 28));
+    hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 24), 28));
+  }
+};
+#include "kernels.inc"
+#pragma GCC pop_options
+}  // namespace avx2
+
+// 2: AVX-512 (F, BW, VL, DQ) with F16C and FMA; 1: AVX2 with F16C and FMA; 0: neither.
+int IsaLevel() {
+  static const int level = [] {
+    __builtin_cpu_init();
+    bool base = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    const char* cap = std::getenv("JAXSERVE_NATIVE_ISA");  // "avx2": do not use AVX-512
+    if (cap && std::strcmp(cap, "avx2") == 0) wide = false;
+    return base ? (wide ? 2 : 1) : 0;
+  }();
+  return level;
+}
+
+#define JAXSERVE_ISA(CALL) (IsaLevel() == 2 ? (void)(avx512::CALL) : (void)(avx2::CALL))
+
+}  // namespace
+
+// ----------------------------------------------------------------------------- FFI handlers
+namespace {
+
+ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                    ffi::Buffer<ffi::F32> s, int64_t group, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = s.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2) return ffi::Error::InvalidArgument("int4: operands must be 2-D");
+  int64_t M = xd[0], Kp = xd[1], N = wd[1];
+  if (group < 2 || group % 2 || Kp % group || wd[0] * 2 != Kp || sd[0] != Kp / group || sd[1] != N)
+    return ffi::Error::InvalidArgument("int4: shapes do not match the group layout");
+  JAXSERVE_ISA(RunInt4(pool, x.typed_data(), M, Kp, w.typed_data(), N, s.typed_data(), group, y->typed_data()));
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                    ffi::Buffer<ffi::F32> s, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = s.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1] || sd.size() != 2 || sd[0] != 1 || sd[1] != wd[1])
+    return ffi::Error::InvalidArgument("int8: x [M, K], w [K, N], scales [1, N] expected");
+  JAXSERVE_ISA(RunInt8(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], s.typed_data(), y->typed_data()));
+  return ffi::Error::Success();
+}
+
+ffi::Error Fp8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                   ffi::Buffer<ffi::F32> s, int64_t bk, int64_t bn, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = s.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1] || sd.size() != 2)
+    return ffi::Error::InvalidArgument("fp8: x [M, K], w [K, N] expected");
+  int64_t K = xd[1], N = wd[1];
+  if (bk < 1 || bn < 1 || (bn > 1 && bn % 16) || sd[0] != (K + bk - 1) / bk || sd[1] != (N + bn - 1) / bn)
+    return ffi::Error::InvalidArgument("fp8: scales do not match the scale block");
+  JAXSERVE_ISA(RunFp8(pool, x.typed_data(), xd[0], K, w.typed_data(), N, s.typed_data(), bk, bn, y->typed_data()));
+  return ffi::Error::Success();
+}
+
+ffi::Error Bf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
+                    ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1]) return ffi::Error::InvalidArgument("bf16: bad shapes");
+  JAXSERVE_ISA(RunBf16(pool, x.typed_data(), xd[0], xd[1], reinterpret_cast<const uint16_t*>(w.untyped_data()),
+                       wd[1], y->typed_data()));
+  return ffi::Error::Success();
+}
+
+ffi::Error ExactImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
+                     ffi::ResultBuffer<ffi::S32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1]) return ffi::Error::InvalidArgument("w8a8: bad shapes");
+  JAXSERVE_ISA(RunExact(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], y->typed_data()));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_int4_w4a16, Int4Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("group")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_int8_w8a16, Int8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_fp8_w8a16, Fp8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("bk")
+                                  .Attr<int64_t>("bn")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_bf16_w16a32, Bf16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_w8a8_s32, ExactImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+// The instruction set the kernels run with: 2 AVX-512, 1 AVX2 (+FMA, F16C), 0 none (unusable).
+extern "C" int jaxserve_native_isa() { return IsaLevel(); }
