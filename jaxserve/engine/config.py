@@ -30,6 +30,13 @@ class EngineConfig:
     max_num_batched_tokens: int = _field(256, "prefill tokens per step")
     max_prefill_seqs: int = _field(4, "prefill rows per step")
     prefill_chunk: int = _field(128, "new tokens of one request in one prefill step (chunked prefill)")
+    client_scheduling: str = _field("fair", "which waiting request is admitted first: fair (the client with the fewest "
+                                            "running requests; a client is an API key, else a connection) | fifo "
+                                            "(arrival order)", choices=("fair", "fifo"))
+    max_slots_per_client: int | None = _field(
+        None, "running requests one client may hold while another client waits (fair scheduling: past it, its "
+              "newest gives way when the batch is full); a lone client may use every slot; 0 = no bound "
+              "(default: half the decode batch, max_num_seqs, rounded up)", type=int)
     enable_prefix_caching: bool = _field(True, "turn the prefix cache off", flag="--no-prefix-caching")
     integrity_check: bool = _field(True, "turn the KV page integrity check off", flag="--no-integrity-check")
     seed: int = _field(0, "seeds requests that give none", cli=False)
@@ -111,7 +118,7 @@ class EngineConfig:
             raise ValueError("num_pages must be >= 2 (page 0 is the reserved null page)")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
-        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_prefill_seqs, self.prefill_chunk)
+        self.scheduler_config()  # a clear error for a bad batch size, policy or bound
         from jaxserve.quant.formats import get_weight_format
 
         for phase, spec, allowed in (
@@ -132,4 +139,6 @@ class EngineConfig:
         resolve_backend(self.matmul_backend)  # a clear error for an unknown name
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_prefill_seqs, self.prefill_chunk)
+        slots = self.max_slots_per_client if self.max_slots_per_client is not None else -(-self.max_num_seqs // 2)
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_prefill_seqs, self.prefill_chunk,
+                               self.client_scheduling, slots)

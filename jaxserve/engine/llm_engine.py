@@ -130,8 +130,10 @@ class LLMEngine(KvHandoffMixin):
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids, params: SamplingParams, request_id: str | None = None,
-                    export_kv: str | None = None, kv_import: KvImport | None = None) -> str:
+                    export_kv: str | None = None, kv_import: KvImport | None = None, client: str = "") -> str:
         """Validate and queue a request; returns its id. Bad input raises ValueError.
+        ``client``: who sent it, for the scheduler's fair share between clients (any string:
+        the server passes a hashed API key or the connection; "" is one client like any other).
 
         KV handoff: with ``export_kv`` (a KV format name) the request stops after its first
         token and its last output carries the prompt's pages in that format (``kv_export``);
@@ -152,7 +154,7 @@ class LLMEngine(KvHandoffMixin):
             raise ValueError(f"request id {rid!r} is already running")
         # Any integer seed works: it is folded into the 31-bit range the PRNG key takes.
         seed = params.seed % 2**31 if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
-        seq = Sequence(rid, ids, params, seed, export_kv=export_kv, kv_import=kv_import)
+        seq = Sequence(rid, ids, params, seed, client=str(client), export_kv=export_kv, kv_import=kv_import)
         if params.structured is not None:  # compiled now: a grammar that cannot compile runs nothing
             seq.grammar = self.constraints.start(params.structured)
         self.outputs.add(seq)

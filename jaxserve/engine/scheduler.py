@@ -7,8 +7,11 @@ Every step the scheduler builds two batches, one per jitted program:
   prompt + output so far), never crashed or dropped.
 - prefill: chunks of prompts under a per-step token budget (chunked prefill). Sequences
   that are part-way through their prompt continue first; then waiting sequences are
-  admitted in arrival order while their whole prompt fits in free KV pages. Prefix-cache
-  hits skip the cached pages (``num_computed`` starts past them).
+  admitted while their whole prompt fits in free KV pages, in the order of the client policy
+  (``fair_share``: the least-served client's oldest request first, or arrival order under
+  ``fifo``). Prefix-cache hits skip the cached pages (``num_computed`` starts past them).
+- fair share: before either batch, a client over ``max_slots_per_client`` running requests
+  gives up its newest to a waiting client under the bound when the decode batch is full.
 
 Host-side only (no JAX): the tests drive it directly.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
+from jaxserve.engine import fair_share
 from jaxserve.engine.block_manager import BlockManager, NoFreePagesError
 from jaxserve.engine.sequence import Sequence, Status
 
@@ -27,11 +31,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 256  # prefill tokens per step
     max_prefill_seqs: int = 4  # prefill rows per step
     prefill_chunk: int = 128  # max new tokens of one sequence in one prefill step
+    client_scheduling: str = fair_share.FAIR  # fair | fifo (fair_share)
+    max_slots_per_client: int = 0  # running requests of one client while others wait; 0 = no bound
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            if getattr(self, f.name) < 1:
-                raise ValueError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self.share_policy()  # a clear error for a bad policy or bound
+
+    def share_policy(self) -> fair_share.SharePolicy:
+        return fair_share.SharePolicy(self.client_scheduling, self.max_slots_per_client)
 
 
 @dataclasses.dataclass
@@ -59,6 +69,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
         self.bm = block_manager
+        self.policy = config.share_policy()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, in admission order
         self.num_preemptions = 0  # since start
@@ -71,6 +82,9 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def schedule(self) -> SchedulerOutput:
+        for victim in fair_share.slot_victims(self.waiting, self.running, self.config.max_num_seqs,
+                                              self.config.max_prefill_seqs, self.policy):
+            self.preempt(victim)
         decode = self._schedule_decode()
         imported: list[Sequence] = []
         prefill = self._schedule_prefill(imported)
@@ -79,6 +93,7 @@ class Scheduler:
     # ------------------------------------------------------------------ decode
     def _schedule_decode(self) -> list[Sequence]:
         batch: list[Sequence] = []
+        batched: set[int] = set()  # id() of the sequences in the batch
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or seq.in_prefill:
                 continue
@@ -89,6 +104,7 @@ class Scheduler:
                 # with the page table it holds so the device check fails it closed, with a
                 # cause, instead of crashing the engine or reading pages it no longer owns.
                 batch.append(seq)
+                batched.add(id(seq))
                 continue
             want = seq.total_len + len(seq.draft_ids)  # speculative draft tokens need slots too
             if seq.draft_ids and not self.bm.can_append_slots(seq.request_id, want):
@@ -98,7 +114,7 @@ class Scheduler:
                     new_pages = self.bm.append_slots(seq.request_id, want)
                     break
                 except NoFreePagesError:
-                    victim = self._newest_running()
+                    victim = self._pressure_victim(batched)
                     self.preempt(victim)
                     if victim is seq:
                         break
@@ -107,10 +123,13 @@ class Scheduler:
                 continue
             self._sync_pages(seq, new_pages)
             batch.append(seq)
+            batched.add(id(seq))
         return batch
 
-    def _newest_running(self) -> Sequence:
-        return self.running[-1]
+    def _pressure_victim(self, batched: set[int]) -> Sequence:
+        """Who gives up its pages when they run out: never one already in this step's batch."""
+        candidates = [s for s in self.running if id(s) not in batched]
+        return fair_share.pressure_victim(candidates, fair_share.running_counts(self.running), self.policy)
 
     # ------------------------------------------------------------------ prefill
     def _schedule_prefill(self, imported: list[Sequence]) -> list[ScheduledChunk]:
@@ -134,14 +153,14 @@ class Scheduler:
         while self.waiting and len(chunks) < cfg.max_prefill_seqs and budget > 0:
             if len(self.running) >= cfg.max_num_seqs:
                 break
-            seq = self.waiting[0]
+            seq = fair_share.next_waiting(self.waiting, fair_share.running_counts(self.running), self.policy)
             tokens = seq.all_ids[:-1] if seq.output_ids else seq.prompt_ids
             handed = seq.kv_import is not None  # every page is written from the handoff: no prefix hits
             try:
                 alloc = self.bm.allocate_prompt(seq.request_id, tokens, use_prefix_cache=not handed)
             except NoFreePagesError:
                 break  # admission by free pages: wait until some finish
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.pages, seq.expected = list(alloc.pages), self.bm.expected_generations(seq.request_id)
             seq.num_computed = len(tokens) if handed else alloc.num_cached_tokens
             if not seq.admitted:

@@ -42,6 +42,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     seed: int  # the sampling seed actually used (params.seed or one drawn by the engine)
+    client: str = ""  # who sent it (a hashed API key or a connection): the unit of fair share
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING

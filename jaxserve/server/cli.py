@@ -110,6 +110,10 @@ def _add_limit_args(p) -> None:
     p.add_argument("--max-streams-per-connection", type=int, default=d.max_streams_per_peer,
                    help=f"open GenerateStream calls per client connection before RESOURCE_EXHAUSTED "
                         f"(default {d.max_streams_per_peer})")
+    p.add_argument("--max-queued-per-client", type=int, default=d.max_queued_per_client,
+                   help=f"requests one client (an API key, else a connection) may have waiting for admission while "
+                        f"another client has requests in flight, before RESOURCE_EXHAUSTED; a lone client may fill "
+                        f"--max-waiting (0 = no bound; default {d.max_queued_per_client})")
     p.add_argument("--max-streams", type=int, default=d.max_streams,
                    help=f"open GenerateStream calls in total before RESOURCE_EXHAUSTED (default {d.max_streams})")
     p.add_argument("--stream-idle-timeout", type=float, default=d.stream_idle_timeout_s,
@@ -149,7 +153,8 @@ def limits_from(args):
                        max_stop_token_ids=args.max_stop_token_ids, max_prompt_bytes=args.max_prompt_bytes,
                        max_streams_per_peer=args.max_streams_per_connection, max_streams=args.max_streams,
                        stream_idle_timeout_s=args.stream_idle_timeout, max_messages=args.max_messages,
-                       max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth)
+                       max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
+                       max_queued_per_client=args.max_queued_per_client)
 
 
 def _exit_now(signum, frame):

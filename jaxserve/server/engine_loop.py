@@ -51,6 +51,7 @@ class RequestStream:
     session_id: str
     arrival: float  # time.perf_counter() when the RPC arrived
     owner: str = ""  # the caller's identity (API key name; "" without keys): who may abort it
+    client: str = ""  # the unit of fair share (``generations.client_identity``): the engine's Sequence.client
     queue: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     admitted: bool = False  # a start or terminal event arrived (no longer counts as waiting)
     done: bool = False  # the handler consumed the terminal event
@@ -222,7 +223,7 @@ class EngineLoop:
         if kind == "add":
             _, stream, ids, params, handoff = cmd
             try:
-                self.engine.add_request(ids, params, request_id=stream.engine_id, **handoff)
+                self.engine.add_request(ids, params, request_id=stream.engine_id, client=stream.client, **handoff)
             except Exception as e:  # ValueError = bad input; the loop maps the type to a code
                 self._out.append((stream, ("error", e)))
                 return

@@ -96,6 +96,15 @@ def queue_full(waiting: int, limit: int, retry_after_s: float) -> ServeError:
     )
 
 
+def client_queue_full(waiting: int, limit: int, retry_after_s: float) -> ServeError:
+    return ServeError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"this client has {waiting} requests waiting; the limit while other clients are served is {limit} "
+        f"(--max-queued-per-client); retry after {retry_after_s:.2f}s",
+        retry_after_s=retry_after_s,
+    )
+
+
 def unavailable(state: str, retry_after_s: float = 1.0) -> ServeError:
     return ServeError(grpc.StatusCode.UNAVAILABLE, f"the server is {state}; retry later or elsewhere",
                       retry_after_s=retry_after_s)

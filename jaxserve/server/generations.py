@@ -3,7 +3,10 @@
 A front end validates its request, then ``Generations.submit`` checks the server's phase,
 the id and the waiting queue, registers a ``RequestStream`` (plus one per extra choice when
 n > 1) and hands each to the engine thread, with no await in between (the id check and the
-registration are atomic). However the call ends, the front end calls ``finish`` once: it
+registration are atomic). Each request carries its client (``client_identity``: the hashed API
+key, else the connection) into the engine, whose scheduler shares slots fairly between clients;
+here a client with ``max_queued_per_client`` requests waiting is refused while another client has
+requests in flight. However the call ends, the front end calls ``finish`` once: it
 aborts whatever is still running (freeing its pages at once) and counts the outcome.
 """
 from __future__ import annotations
@@ -20,9 +23,18 @@ from jaxserve.server.engine_loop import EngineLoop, RequestStream
 log = logging.getLogger("jaxserve.server")
 
 
+def client_identity(owner: str, peer: str) -> str:
+    """Who a request counts against for fair share: the caller's API key identity (a hash of the
+    key, never the key) when keys are on, else its connection (gRPC ``context.peer()``, the HTTP
+    client's address and port)."""
+    return owner or peer
+
+
 class Generations:
-    def __init__(self, engine_loop: EngineLoop, metrics, max_waiting: int, max_num_seqs: int):
+    def __init__(self, engine_loop: EngineLoop, metrics, max_waiting: int, max_num_seqs: int,
+                 max_queued_per_client: int = 0):
         self.engine_loop = engine_loop
+        self.max_queued_per_client = max_queued_per_client
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.max_num_seqs = max_num_seqs
@@ -55,10 +67,11 @@ class Generations:
             raise errors.unavailable(self.state())
 
     def submit(self, prompt_ids: list[int], params: list, request_id: str, session_id: str, owner: str,
-               arrival: float, handoff: dict | None = None) -> RequestStream:
+               arrival: float, handoff: dict | None = None, client: str = "") -> RequestStream:
         """Register and submit one engine request per SamplingParams in `params` (the choices);
         -> choice 0's stream (the others in its ``choices``). Raises ServeError (UNAVAILABLE,
         ALREADY_EXISTS, RESOURCE_EXHAUSTED with a retry hint) having submitted nothing.
+        ``client``: ``client_identity`` of the caller (fair share; the per-client queue bound).
         ``handoff``: ``LLMEngine.add_request``'s KV handoff arguments (one choice only)."""
         self.check_serving()
         if request_id in self.active:
@@ -68,8 +81,9 @@ class Generations:
             # Roughly the time for the running batch to turn over once.
             hint = self.engine_loop.recent_duration_s * max(1, waiting) / max(1, self.max_num_seqs)
             raise errors.queue_full(waiting, self.max_waiting, min(max(hint, 0.05), 30.0))
+        self._check_client_queue(client, len(params))
         streams = [RequestStream(request_id, f"{request_id}#{next(self._seq)}", session_id, arrival, owner=owner,
-                                 index=i) for i in range(len(params))]
+                                 client=client, index=i) for i in range(len(params))]
         first = streams[0]
         first.choices = streams[1:]
         self.active[request_id] = first
@@ -79,6 +93,23 @@ class Generations:
         for stream, p in zip(streams, params):
             self.engine_loop.submit(stream, prompt_ids, p, **(handoff or {}))
         return first
+
+    def _check_client_queue(self, client: str, n: int) -> None:
+        """RESOURCE_EXHAUSTED when ``client`` would have more than ``max_queued_per_client``
+        requests waiting while another client has requests in flight (a lone client is free)."""
+        limit = self.max_queued_per_client
+        if limit <= 0:
+            return
+        mine, others = 0, False
+        for first in self.active.values():
+            for s in (first, *first.choices):
+                if s.client != client:
+                    others = others or not s.done
+                elif not s.admitted:
+                    mine += 1
+        if others and mine + n > limit:
+            hint = self.engine_loop.recent_duration_s * max(1, mine) / max(1, self.max_num_seqs)
+            raise errors.client_queue_full(mine, limit, min(max(hint, 0.05), 30.0))
 
     def finish(self, stream: RequestStream | None, api: str, outcome: str) -> bool:
         """Once per call: abort what still runs, count and log the outcome. -> True."""

@@ -47,10 +47,13 @@ class ServeLimits:
     max_messages: int | None = None  # --max-messages: messages of one chat, checked before templating
     max_body_bytes: int | None = None  # --max-body-bytes: an HTTP body, counted while it arrives
     max_json_depth: int = 64  # --max-json-depth: nesting of an HTTP body, checked before parsing
+    # --max-queued-per-client: requests one client may have waiting while another client has
+    # requests in flight (0 = no bound; a lone client may fill the whole queue).
+    max_queued_per_client: int = 64
 
     def __post_init__(self):
         lowest = dict(max_stop_strings=0, max_stop_bytes=0, max_stop_token_ids=0, max_streams_per_peer=1,
-                      max_streams=1, max_json_depth=1)
+                      max_streams=1, max_json_depth=1, max_queued_per_client=0)
         for name, low in lowest.items():
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")

@@ -27,7 +27,7 @@ from jaxserve.server import convert, errors, validate
 from jaxserve.server import openai_agents as agents
 from jaxserve.server import openai_api as api
 from jaxserve.server.errors import ServeError
-from jaxserve.server.generations import choice_events, terminal
+from jaxserve.server.generations import choice_events, client_identity, terminal
 from jaxserve.server.limits import check_chat, check_stop, check_text
 
 log = logging.getLogger("jaxserve.server")
@@ -184,7 +184,7 @@ class OpenAIFrontEnd:
                 self.service.slots.acquire(peer)
                 slot = True
             rid = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
-            stream = self.gens.submit(ids, params, rid, session, owner, arrival)
+            stream = self.gens.submit(ids, params, rid, session, owner, arrival, client=client_identity(owner, peer))
         except ClientDisconnect:  # left while sending its body: nobody to answer
             log.info("%s from %s: the client disconnected while sending its body; outcome=cancelled", label, peer)
             self.service.metrics.requests.labels(label, "cancelled").inc()

@@ -21,7 +21,7 @@ from jaxserve.server import convert, errors
 from jaxserve.server.auth import ApiKeys
 from jaxserve.server.engine_loop import EngineLoop, RequestStream
 from jaxserve.server.errors import ServeError
-from jaxserve.server.generations import Generations, choice_events, terminal
+from jaxserve.server.generations import Generations, choice_events, client_identity, terminal
 from jaxserve.server.limits import ServeLimits, StreamSlots, check_chat, check_stop, check_text, watch_unread
 from jaxserve.v1 import jaxserve_pb2 as pb
 from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
@@ -51,7 +51,8 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         self.metrics = metrics
         self.info = info
         self.max_waiting = max_waiting
-        self.generations = Generations(engine_loop, metrics, max_waiting, info.max_num_seqs)
+        self.generations = Generations(engine_loop, metrics, max_waiting, info.max_num_seqs,
+                                       self.limits.max_queued_per_client)
 
     # ------------------------------------------------------------------ generation
     @property
@@ -216,7 +217,8 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         if handoff and params[0].logprobs is not None:  # an offer carries the first token, not its log-prob
             raise errors.invalid_argument("log-probs cannot be combined with a KV handoff")
         # It may have stopped serving during the awaits above: submit checks again.
-        return self.generations.submit(ids, params, rid, session, owner, arrival, handoff)
+        client = client_identity(owner, context.peer() or "")
+        return self.generations.submit(ids, params, rid, session, owner, arrival, handoff, client=client)
 
     async def prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
         """The request's prompt as ids (texts and conversations within --max-prompt-bytes,
