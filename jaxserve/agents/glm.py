@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from jaxserve.agents.snapshot import Call, Snapshot, until
+from jaxserve.agents.snapshot import Call, Snapshot, scan, until
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 KEY, KEY_END, VALUE, VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
@@ -49,15 +49,7 @@ class GlmParser:
         self.types = param_types(tools)
 
     def parse(self, text: str, final: bool) -> Snapshot:
-        snap, pos = Snapshot(), 0
-        while True:
-            piece, after = until(text, pos, OPEN, final)
-            snap.content += piece
-            if after is None:
-                return snap
-            pos = self._call(text, after, final, snap)
-            if pos is None:
-                return snap
+        return scan(text, OPEN, final, self._call)
 
     def _call(self, text: str, pos: int, final: bool, snap: Snapshot) -> int | None:
         while pos < len(text) and text[pos].isspace():

@@ -8,7 +8,7 @@ the model's own ``functions.NAME:IDX``; the arguments are the JSON text as writt
 """
 from __future__ import annotations
 
-from jaxserve.agents.snapshot import Call, Snapshot, until
+from jaxserve.agents.snapshot import Call, Snapshot, scan, until
 
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL_BEGIN, ARG_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
@@ -31,15 +31,7 @@ class KimiK2Parser:
     def parse(self, text: str, final: bool) -> Snapshot:
         for alt, canon in ALT.items():
             text = text.replace(alt, canon)
-        snap, pos = Snapshot(), 0
-        while True:
-            piece, after = until(text, pos, SECTION_BEGIN, final)
-            snap.content += piece
-            if after is None:
-                return snap
-            pos = self._section(text, after, final, snap)
-            if pos is None:
-                return snap
+        return scan(text, SECTION_BEGIN, final, self._section)
 
     def _section(self, text: str, pos: int, final: bool, snap: Snapshot) -> int | None:
         """Calls from ``pos``; -> the position after the section's end (None: not ended yet)."""

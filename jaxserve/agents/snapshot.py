@@ -39,3 +39,18 @@ def until(text: str, pos: int, marker: str, final: bool, hold=()) -> tuple[str, 
         return text[pos:i], i + len(marker)
     rest = text[pos:]
     return (rest if final else held_back(rest, (marker, *hold))), None
+
+
+def scan(text: str, opener: str, final: bool, read_calls) -> Snapshot:
+    """The content around a format's call blocks: text up to each ``opener`` is content, and
+    ``read_calls(text, after_opener, final, snap)`` reads what follows into ``snap``, returning
+    the position after the block (None: the block has not ended yet)."""
+    snap, pos = Snapshot(), 0
+    while True:
+        piece, after = until(text, pos, opener, final)
+        snap.content += piece
+        if after is None:
+            return snap
+        pos = read_calls(text, after, final, snap)
+        if pos is None:
+            return snap
