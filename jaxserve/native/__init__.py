@@ -97,14 +97,16 @@ def _f32(rows: int, cols: int, dtype=jnp.float32):
 
 
 def int4_w4a16(x, packed, scales, group: int):
-    """x f32 [M, Kp] (zero-padded), packed u8 [Kp/2, N], scales f32 [Kp/G, N] -> f32 [M, N]."""
+    """x f32 [M, Kp] (zero-padded), packed u8 [Kp/2, N], scales [Kp/G, N] (f32 or a checkpoint's
+    bf16, widened exactly) -> f32 [M, N]."""
     return jax.ffi.ffi_call("jaxserve_int4_w4a16", _f32(x.shape[0], packed.shape[1]))(
-        x.astype(jnp.float32), packed, scales, group=np.int64(group))
+        x.astype(jnp.float32), packed, jnp.asarray(scales, jnp.float32), group=np.int64(group))
 
 
 def int8_w8a16(x, q, scales):
     """x f32 [M, K], q s8 [K, N], scales f32 [1, N] -> f32 [M, N]."""
-    return jax.ffi.ffi_call("jaxserve_int8_w8a16", _f32(x.shape[0], q.shape[1]))(x.astype(jnp.float32), q, scales)
+    return jax.ffi.ffi_call("jaxserve_int8_w8a16", _f32(x.shape[0], q.shape[1]))(
+        x.astype(jnp.float32), q, jnp.asarray(scales, jnp.float32))
 
 
 def w8a8_s32(xq, q):
@@ -115,7 +117,7 @@ def w8a8_s32(xq, q):
 def fp8_w8a16(x, bits, scales, bk: int, bn: int):
     """x f32 [M, K], bits u8 [K, N] (e4m3fn), scales f32 [ceil(K/bk), ceil(N/bn)] -> f32 [M, N]."""
     return jax.ffi.ffi_call("jaxserve_fp8_w8a16", _f32(x.shape[0], bits.shape[1]))(
-        x.astype(jnp.float32), bits, scales, bk=np.int64(bk), bn=np.int64(bn))
+        x.astype(jnp.float32), bits, jnp.asarray(scales, jnp.float32), bk=np.int64(bk), bn=np.int64(bn))
 
 
 def bf16_w16a32(x, w):
