@@ -140,7 +140,7 @@ class Server:
         # The default replica id names the port actually bound (a router's key for this replica).
         self.info.replica_id = self._replica_id or f"{socket.gethostname()}:{self.port}"
         self.metrics.info.info(announce.info_labels(self.info))
-        self.metrics.set_matmul_paths(self.llm.runner.weight_path_rows())
+        self.metrics.set_matmul_paths(self.llm.weight_path_rows())
         await self._grpc.start()
         if self.http_port is not None:
             from jaxserve.server.openai_http import OpenAIFrontEnd  # FastAPI only when asked for

@@ -200,3 +200,59 @@ def eventually(fn, timeout: float = 5.0):
         if value or time.monotonic() > end:
             return value
         time.sleep(0.01)
+
+
+# ---------------------------------------------------------------------- the mock engine's server
+# The same server over ``jaxserve.testing.MockLLM`` (no model): the engine's scheduler, pages and
+# outputs with arithmetic for a model (greedy: each token is the previous + 1), the tokenizer one
+# id per character (id = ord(char) + OFFSET). Server, limits, abuse and fuzz tests run on it.
+MOCK_ENGINE = {k: v for k, v in ENGINE.items() if k != "kv_format"}
+MOCK_TEXT = "The capital of France is"  # greedy: "tuvwxyz{|}..." (after the final "s")
+
+
+def mock_text(ids) -> str:
+    """The mock tokenizer's text of generated (non-special) ids."""
+    from jaxserve.testing.mock_llm import OFFSET
+
+    return "".join(chr(t - OFFSET) for t in ids)
+
+
+def mock_cases() -> dict:
+    """name -> (prompt, kwargs, expected token ids, expected text): greedy ones, by hand."""
+    from jaxserve.testing import char_ids, greedy_ids
+
+    last = char_ids(MOCK_TEXT)[-1]
+    return {
+        "ids_greedy": (IDS_A, dict(max_tokens=12, ignore_eos=True), greedy_ids(IDS_A[-1], 12),
+                       mock_text(greedy_ids(IDS_A[-1], 12))),
+        "text_greedy": (MOCK_TEXT, dict(max_tokens=10), greedy_ids(last, 10), "tuvwxyz{|}"),
+    }
+
+
+@pytest.fixture(scope="session")
+def mock_served():
+    """A ServerThread over a MockLLM with the served fixture's limits, observed before SERVING as
+    that fixture is (warm-up held on the mock engine's gate)."""
+    from jaxserve.client import Client
+    from jaxserve.server.app import ServerThread
+    from jaxserve.server.limits import ServeLimits
+    from jaxserve.testing import MockLLM
+
+    llm = MockLLM(**MOCK_ENGINE)
+    llm.engine.warmup_gate = gate = threading.Event()
+    st = ServerThread(llm, max_waiting=MAX_WAITING, replica_id="test-replica", limits=ServeLimits(**LIMITS),
+                      http_port=0, served_model_name=MODEL_NAME).start()
+    client = Client(st.target, timeout=60)
+    boot = {"health": client.health()}
+    try:
+        client.generate([5, 6, 7], max_tokens=2)
+        boot["generate"] = grpc.StatusCode.OK
+    except grpc.RpcError as e:
+        boot["generate"] = e.code()
+    boot["http_health"] = http_call(st.http_target.removesuffix("/v1") + "/health")
+    gate.set()
+    st.wait_ready()
+    boot["health_after"] = client.health()
+    yield Served(st, client, boot)
+    client.close()
+    st.stop()
