@@ -66,11 +66,12 @@ class MockEngine:
     """LLMEngine's public interface over a mock model (see the module docstring).
 
     vocab_size: the ids a prompt may hold and the mock produces; max_model_len: the context
-    (default 4096); engine_kwargs: EngineConfig fields (num_pages, page_size, max_num_seqs, ...).
+    (default 4096); step_seconds: how long each step takes (a sleep: requests stay in flight
+    long enough for a test to act on them, as a model's would); engine_kwargs: EngineConfig fields (num_pages, page_size, max_num_seqs, ...).
     """
 
     def __init__(self, tokenizer=None, vocab_size: int = 49152, max_model_len: int = 4096,
-                 eos_token_ids=(1,), **engine_kwargs):
+                 eos_token_ids=(1,), step_seconds: float = 0.0, **engine_kwargs):
         self.config = config = EngineConfig(**engine_kwargs)
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -83,6 +84,7 @@ class MockEngine:
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len, config.keep_finished)
         self.programs = MockPrograms()
         self.steps = 0  # step() calls that ran
+        self.step_seconds = step_seconds
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
         self._just_finished: list[Sequence] = []
@@ -185,6 +187,8 @@ class MockEngine:
         if self._fail_next is not None:
             error, self._fail_next = self._fail_next, None
             raise error
+        if self.step_seconds:
+            time.sleep(self.step_seconds)
         sched = self.scheduler.schedule()
         self.bm.take_generation_updates()  # no device generations to update
         events: dict[str, list[int]] = {}

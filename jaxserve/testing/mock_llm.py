@@ -93,17 +93,17 @@ class MockFormat:
 
 
 class MockLLM:
-    """The interface the server uses of ``jaxserve.LLM`` over a ``MockEngine`` (engine_kwargs:
-    its EngineConfig fields; tokenizer=False: a model without one)."""
+    """The interface the server uses of ``jaxserve.LLM`` over a ``MockEngine`` (step_seconds and
+    engine_kwargs: its own, EngineConfig fields; tokenizer=False: a model without one)."""
 
     def __init__(self, model_path: str = "mock-model", tokenizer: bool = True, max_model_len: int = 4096,
-                 **engine_kwargs):
+                 step_seconds: float = 0.0, **engine_kwargs):
         self.model_path = model_path
         self.tokenizer = char_tokenizer() if tokenizer else None
         self.cfg = MockConfig()
         self.dtype = "float32"
         self.fmt = MockFormat()
-        self.engine = MockEngine(self.tokenizer, VOCAB_SIZE, max_model_len, (EOS,), **engine_kwargs)
+        self.engine = MockEngine(self.tokenizer, VOCAB_SIZE, max_model_len, (EOS,), step_seconds, **engine_kwargs)
         self._weights = [np.arange(16, dtype=np.float32)]
 
     def memory_report(self) -> dict:

@@ -4,6 +4,7 @@ import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import numpy as np
 import pytest
 
@@ -183,3 +184,31 @@ def test_fingerprint_known_values():
     changed[1][1, 2] = 7  # one byte of the last weight
     assert fingerprint(changed, {"decode": "int4:g128"}) != fingerprint(w, {"decode": "int4:g128"})
     assert fingerprint([w[1].reshape(3, 2)], {}) != fingerprint([w[1]], {})  # same bytes, another shape
+
+
+def test_integrity_failure_is_aborted_with_the_cause(served, cases):
+    before = served.metrics()
+    it = served.client.generate_stream(IDS_A, max_tokens=200, ignore_eos=True, request_id="tampered")
+    assert next(it).WhichOneof("event") == "start"
+    assert next(it).WhichOneof("event") == "delta"
+    eid = served.server.service.active["tampered"].engine_id
+
+    def tamper(eng):  # what a host bookkeeping bug would do: the page table no longer matches
+        eng.get_request(eid).expected[0] += 2
+
+    served.thread.call(tamper)
+    with pytest.raises(grpc.RpcError) as e:
+        for _ in it:
+            pass
+    assert e.value.code() == grpc.StatusCode.ABORTED
+    assert "stale_generation" in e.value.details()
+    assert dict(e.value.trailing_metadata())["x-jaxserve-integrity-cause"] == "stale_generation"
+    after = served.metrics()
+    key = ("jaxserve_integrity_mismatches_total", (("cause", "stale_generation"),))
+    assert after[key] == before[key] + 1
+    for name in ("jaxserve_integrity_checks_total", "jaxserve_integrity_rows_checked_total"):
+        assert after[(name, ())] > before[(name, ())]  # every program call checks its rows
+    assert after[("jaxserve_requests_total", (("outcome", "aborted"), ("rpc", "GenerateStream")))] >= 1
+    assert served.kv().used == 0
+    p, kw, want = cases["sampled"]
+    assert list(served.client.generate(p, **kw).token_ids) == list(want)
