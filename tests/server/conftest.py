@@ -1,10 +1,13 @@
-"""One real gRPC server for the whole directory: a tiny text model on 127.0.0.1, an
-ephemeral port, an in-process grpc.aio server on its own thread (``ServerThread``).
+"""Two in-process servers for the whole directory (``ServerThread``: a grpc.aio server and the
+OpenAI HTTP API on its own thread, ephemeral ports on 127.0.0.1):
 
-Before serving, the same LLM computes the expected completions of every case with the
-Python API (``llm.generate``); the server must then give exactly those tokens. Warm-up is
-held on a gate until the fixture has observed the not-yet-warm server (health NOT_SERVING,
-Generate UNAVAILABLE), so that observation is deterministic.
+- ``served``: a tiny text model. Before serving, the same LLM computes the expected completions
+  of every case with the Python API (``llm.generate``); the server must then give exactly those
+  tokens. For the end-to-end tests that need a model (tokens, tokenizer, log-probs, formats).
+- ``mock_served``: the mock engine (``jaxserve.testing.MockLLM``: no model, tokens by arithmetic,
+  ``mock_cases``) for the server's own behaviour: errors, limits, abuse, fuzzing, disconnects,
+  fair share. Its warm-up is held on a gate until the fixture has observed the not-yet-warm
+  server (health NOT_SERVING, Generate UNAVAILABLE), so that observation is deterministic.
 """
 from __future__ import annotations
 
@@ -134,32 +137,17 @@ class Served:
 
 @pytest.fixture(scope="session")
 def served(llm, cases, logprobs_reference):
+    """The tiny model's server (gRPC and HTTP), once the expected completions are computed. What a
+    server does before SERVING is watched on the mock engine's (``mock_served``)."""
     from jaxserve.client import Client
     from jaxserve.server.app import ServerThread
-
-    gate, real_warmup = threading.Event(), llm.engine.warmup
-    llm.engine.warmup = lambda **kw: (gate.wait(120), real_warmup(**kw))
     from jaxserve.server.limits import ServeLimits
 
     st = ServerThread(llm, max_waiting=MAX_WAITING, replica_id="test-replica", limits=ServeLimits(**LIMITS),
                       http_port=0, served_model_name=MODEL_NAME).start()
     client = Client(st.target, timeout=60)
-    boot = {"health": client.health(), "service_health": client.health("jaxserve.v1.JaxServe")}
-    try:
-        client.generate([5, 6, 7], max_tokens=2)
-        boot["generate"] = grpc.StatusCode.OK
-    except grpc.RpcError as e:
-        boot["generate"] = e.code()
-    boot["info_while_warming"] = client.model_info().architecture  # metadata works before SERVING
-    base = st.http_target.removesuffix("/v1")
-    boot["http_health"] = http_call(base + "/health")
-    boot["http_chat"] = http_call(base + "/v1/chat/completions", {
-        "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-    gate.set()
     st.wait_ready()
-    del llm.engine.warmup
-    boot["health_after"] = client.health()
-    yield Served(st, client, boot)
+    yield Served(st, client, {})
     client.close()
     st.stop()
 
@@ -256,8 +244,8 @@ def mock_cases() -> dict:
 
 @pytest.fixture(scope="session")
 def mock_served():
-    """A ServerThread over a MockLLM with the served fixture's limits, observed before SERVING as
-    that fixture is (warm-up held on the mock engine's gate)."""
+    """A ServerThread over a MockLLM with the served fixture's limits and names, observed before
+    SERVING (its warm-up held on the mock engine's gate): ``boot``."""
     from jaxserve.client import Client
     from jaxserve.server.app import ServerThread
     from jaxserve.server.limits import ServeLimits
@@ -275,7 +263,10 @@ def mock_served():
     except grpc.RpcError as e:
         boot["generate"] = e.code()
     boot["info_while_warming"] = client.model_info().architecture
-    boot["http_health"] = http_call(st.http_target.removesuffix("/v1") + "/health")
+    base = st.http_target.removesuffix("/v1")
+    boot["http_health"] = http_call(base + "/health")
+    boot["http_chat"] = http_call(base + "/v1/chat/completions", {
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     gate.set()
     st.wait_ready()
     boot["health_after"] = client.health()

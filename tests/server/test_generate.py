@@ -1,5 +1,6 @@
-"""Generation over gRPC gives exactly what the Python API gives (unary, streaming, many at
-once), with usage, cached tokens, ids, sessions, tokenizer RPCs and model info."""
+"""Generation over gRPC gives exactly what the Python API gives (unary, streaming), with usage,
+tokenizer RPCs, model info and the integrity check's failures, on the tiny model; many requests at
+once, cached tokens, ids and sessions on the mock engine's server (its arithmetic's tokens)."""
 import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -10,7 +11,7 @@ import pytest
 
 from jaxserve.client import finish_reason
 
-from .conftest import CASES, IDS_A
+from .conftest import CASES, IDS_A, mock_cases
 
 
 def collect_stream(client, prompt, **kw):
@@ -49,42 +50,43 @@ def test_unary_and_stream_give_the_python_api_tokens(served, cases, name):
     assert end.timing.HasField("time_to_first_token_s") and 0 < end.timing.time_to_first_token_s <= end.timing.total_s
 
 
-def test_concurrent_requests_give_the_same_tokens(served, cases):
-    names = list(cases) * 2  # 20 requests, 16 at a time (= MAX_WAITING), against max_num_seqs=8
+def test_concurrent_requests_give_the_same_tokens(mock_served):
+    cases = mock_cases()
+    names = list(cases) * 2  # 18 requests, 16 at a time (= MAX_WAITING), against max_num_seqs=8
 
     def run(i_name):
         i, name = i_name
         prompt, kw, _ = cases[name]
         if i % 2:
-            return name, collect_stream(served.client, prompt, **kw)[1]
-        return name, list(served.client.generate(prompt, **kw).token_ids)
+            return name, collect_stream(mock_served.client, prompt, **kw)[1]
+        return name, list(mock_served.client.generate(prompt, **kw).token_ids)
 
     with ThreadPoolExecutor(16) as pool:
         for name, ids in pool.map(run, enumerate(names)):
             assert ids == list(cases[name][2]), name
-    assert served.kv().used == 0
+    assert mock_served.kv().used == 0
 
 
-def test_cached_tokens_are_reported_at_start_and_end(served):
+def test_cached_tokens_are_reported_at_start_and_end(mock_served):
     prompt = IDS_A + [11, 12, 13, 14]  # 24 tokens: 2 full pages can come from the prefix cache
-    served.client.generate(prompt, max_tokens=3, ignore_eos=True)
-    start, _, _, end = collect_stream(served.client, prompt, max_tokens=3, ignore_eos=True)
+    mock_served.client.generate(prompt, max_tokens=3, ignore_eos=True)
+    start, _, _, end = collect_stream(mock_served.client, prompt, max_tokens=3, ignore_eos=True)
     assert start.cached_tokens == end.usage.cached_tokens == (len(prompt) - 1) // 8 * 8 == 16
     assert end.usage.prompt_tokens == len(prompt)
 
 
-def test_request_ids_are_generated_or_kept(served):
-    a = served.client.generate([5, 6, 7], max_tokens=2)
-    b = served.client.generate([5, 6, 7], max_tokens=2)
+def test_request_ids_are_generated_or_kept(mock_served):
+    a = mock_served.client.generate([5, 6, 7], max_tokens=2)
+    b = mock_served.client.generate([5, 6, 7], max_tokens=2)
     assert a.request_id and b.request_id and a.request_id != b.request_id
-    c = served.client.generate([5, 6, 7], max_tokens=2, request_id="mine-1")
+    c = mock_served.client.generate([5, 6, 7], max_tokens=2, request_id="mine-1")
     assert c.request_id == "mine-1"
-    start, *_ = collect_stream(served.client, [5, 6, 7], max_tokens=2, request_id="mine-1")  # reusable when done
+    start, *_ = collect_stream(mock_served.client, [5, 6, 7], max_tokens=2, request_id="mine-1")  # reusable when done
     assert start.request_id == "mine-1"
 
 
-def test_session_id_from_field_or_header_is_echoed(served):
-    stub = served.client.stub
+def test_session_id_from_field_or_header_is_echoed(mock_served):
+    stub = mock_served.client.stub
     from jaxserve.client import build_request
 
     r, call = stub.Generate.with_call(build_request([5, 6], max_tokens=2), metadata=(("x-session-affinity", "s-hdr"),))
@@ -92,9 +94,9 @@ def test_session_id_from_field_or_header_is_echoed(served):
     md = dict(call.initial_metadata())
     assert md["x-session-affinity"] == "s-hdr" and md["x-jaxserve-replica"] == "test-replica"
     assert md["x-request-id"] == r.request_id
-    r = served.client.generate([5, 6], max_tokens=2, session_id="s-field", session_header="s-hdr")
+    r = mock_served.client.generate([5, 6], max_tokens=2, session_id="s-field", session_header="s-hdr")
     assert r.session_id == "s-field"  # the field wins over the header
-    start, *_ = collect_stream(served.client, [5, 6], max_tokens=2, session_id="s-stream")
+    start, *_ = collect_stream(mock_served.client, [5, 6], max_tokens=2, session_id="s-stream")
     assert start.session_id == "s-stream"
 
 
