@@ -69,7 +69,7 @@ def convert(src, dst, prefill_weights: str | None = None, decode_weights: str | 
     from jaxserve.checkpoint import orbax_io
     from jaxserve.engine.llm_engine import EngineConfig
     from jaxserve.kv.formats import get_kv_format
-    from jaxserve.loader import _raw_config, load_model
+    from jaxserve.loader import load_model, raw_config
 
     src, dst = Path(src), Path(dst)
     if not (src / "config.json").is_file():
@@ -99,7 +99,7 @@ def convert(src, dst, prefill_weights: str | None = None, decode_weights: str | 
     }
 
     dst.mkdir(parents=True, exist_ok=True)
-    raw = _raw_config(src)
+    raw = raw_config(src)
     source_quant = (raw.pop("quantization_config", None) or {}).get("quant_method")
     with open(dst / "config.json", "w") as f:
         json.dump(raw, f, indent=2)
