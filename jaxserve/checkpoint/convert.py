@@ -161,6 +161,8 @@ def _leaf_dtype(leaf):
 
 def register(subparsers) -> None:
     """Add the ``convert`` subcommand (cli.py calls this)."""
+    from jaxserve.cli_args import OMIT, ModelOptions
+
     p = subparsers.add_parser(
         "convert", help="convert a checkpoint into a jaxserve orbax checkpoint with per-phase weight formats",
         description=__doc__.splitlines()[0].replace("``", ""),
@@ -173,10 +175,10 @@ def register(subparsers) -> None:
     p.add_argument("--decode-weights", default=None,
                    help="decode weight format: bf16 | fp8 | fp8:block128 | int4:g32 | int4:g64 | int4:g128 "
                         "(int4 = int4:g128); default: as loaded")
-    p.add_argument("--kv-format", default=None, help="KV cache format recorded for serving (bf16 | fp8_e4m3)")
-    p.add_argument("--dtype", choices=_DTYPES, default="float32",
-                   help="dtype of the weights stored unquantized (norms, embeddings, ...); default float32, "
-                        "as `jaxserve generate` loads")
+    ModelOptions(model=OMIT, dtype="float32", kv_format=None, helps=(
+        ("--kv-format", "KV cache format recorded for serving (bf16 | fp8_e4m3)"),
+        ("--dtype", "dtype of the weights stored unquantized (norms, embeddings, ...); default float32, "
+                    "as `jaxserve generate` loads"))).add_to(p)
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_convert)

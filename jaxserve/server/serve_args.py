@@ -3,12 +3,14 @@ one request's work (``ServeLimits``), a worker's role and KV handoff, the multi-
 and the engine's (``EngineConfig``)."""
 from __future__ import annotations
 
+from jaxserve.cli_args import ModelOptions
 from jaxserve.server.group import add_group_args
 
 
 def add_serve_args(p) -> None:
-    p.add_argument("--model", default=None,
-                   help="Hugging Face-format checkpoint directory; default: the embedded SmolLM2-135M-Instruct")
+    ModelOptions(dtype="auto", num_devices=None, helps=(("--num-devices", "devices of the mesh (default 1; a "
+                                                                          "multi-process replica: every device of "
+                                                                          "every process)"),)).add_to(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0 = pick a free one)")
     p.add_argument("--http-port", type=int, default=None,
@@ -45,10 +47,6 @@ def add_serve_args(p) -> None:
     p.add_argument("--replica-id", default=None, help="this replica's name in ModelInfo/metrics (default host:port)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM/SIGINT")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="activations and loaded weights (auto: bfloat16 on a GPU, float32 elsewhere)")
-    p.add_argument("--num-devices", type=int, default=None,
-                   help="devices of the mesh (default 1; a multi-process replica: every device of every process)")
     add_group_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--serve-while-warming", action="store_true",
