@@ -9,7 +9,7 @@ import argparse
 import sys
 import time
 
-from jaxserve.cli_args import add_engine_args, engine_kwargs, ensure_cpu_devices
+from jaxserve.cli_args import ModelOptions, add_engine_args, engine_kwargs, ensure_cpu_devices
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -22,10 +22,7 @@ def _parse_ids(text: str) -> list[int]:
 def add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text (or token ids) from a model")
     p.add_argument("prompts", nargs="*", help="text prompts (need the model's tokenizer)")
-    p.add_argument(
-        "--model", default=None,
-        help="Hugging Face-format checkpoint directory; default: the embedded SmolLM2-135M-Instruct",
-    )
+    ModelOptions(dtype="auto", num_devices=1).add_to(p)
     p.add_argument(
         "--prompt-ids", type=_parse_ids, action="append", default=[],
         help="a prompt as token ids ('1,2,3'); repeat for several prompts",
@@ -40,9 +37,6 @@ def add_generate(sub) -> None:
         "--chat-template", action=argparse.BooleanOptionalAction, default=True,
         help="wrap text prompts in the model's chat template as a user turn (when it has one)",
     )
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="activations and loaded weights (auto: bfloat16 on a GPU, float32 elsewhere)")
-    p.add_argument("--num-devices", type=int, default=1)
     p.add_argument("--no-warmup", action="store_true", help="skip the compile warm-up (tokens/s then include it)")
     add_engine_args(p.add_argument_group("engine (EngineConfig)"))
     p.set_defaults(func=run_generate)

@@ -1,6 +1,7 @@
-"""Command-line options and set-up shared by generate, serve, bench and experiment: the engine
-flags, built from EngineConfig's fields (one source for names, defaults and help), the KV
-format and presets; virtual CPU devices, the persistent compile cache and the program cache."""
+"""Command-line options and set-up shared by generate, serve, bench, experiment and convert: the
+model flags (``ModelOptions``: one declaration, each command's defaults), the engine flags, built
+from EngineConfig's fields (one source for names, defaults and help), the KV format and presets;
+virtual CPU devices, the persistent compile cache and the program cache."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +13,39 @@ FORMAT_FIELDS = ("prefill_weights", "decode_weights", "prefill_from_decode_weigh
                  "kv_cache_memory", "memory_fraction", "attention_backend")
 PRESET_HELP = "a named configuration: article (fp8 KV, fp8 prefill, int4 decode) | cpu (bf16 prefill, int8 decode)"
 KV_FORMAT_HELP = "bf16 | fp8_e4m3 | float32 (default: what a converted checkpoint or --preset holds, else bf16)"
+
+
+OMIT = "omit"  # a ModelOptions field the command takes no flag for
+MODEL_HELP = "Hugging Face-format checkpoint directory; default: the embedded SmolLM2-135M-Instruct"
+DTYPE_HELP = "activations and loaded weights"
+AUTO_DTYPE_HELP = DTYPE_HELP + " (auto: bfloat16 on a GPU, float32 elsewhere)"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """The model flags of one command, generated from one declaration: ``--model``, ``--dtype``,
+    ``--num-devices`` and ``--kv-format``, with that command's defaults (a field set to ``OMIT``:
+    the command has no such flag). ``--dtype`` offers auto where auto is the default. ``helps``:
+    (flag, help) pairs where a command says more than the shared help."""
+
+    model: str | None = None
+    dtype: str = "float32"
+    num_devices: int | None = OMIT
+    kv_format: str | None = OMIT
+    helps: tuple[tuple[str, str], ...] = ()
+
+    def add_to(self, p) -> None:
+        helps = dict(self.helps)
+        if self.model != OMIT:
+            p.add_argument("--model", default=self.model, help=helps.get("--model", MODEL_HELP))
+        if self.dtype != OMIT:
+            auto = self.dtype == "auto"
+            p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"] if auto else ["float32", "bfloat16"],
+                           default=self.dtype, help=helps.get("--dtype", AUTO_DTYPE_HELP if auto else DTYPE_HELP))
+        if self.num_devices != OMIT:
+            p.add_argument("--num-devices", type=int, default=self.num_devices, help=helps.get("--num-devices"))
+        if self.kv_format != OMIT:
+            p.add_argument("--kv-format", default=self.kv_format, help=helps.get("--kv-format"))
 
 
 def flag_of(field: dataclasses.Field) -> str:

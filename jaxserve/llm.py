@@ -124,6 +124,34 @@ class LLM:
         (``LLMEngine.memory_report``)."""
         return self.engine.memory_report()
 
+    # ------------------------------------------------------------------ what a server shows
+    def weight_formats(self) -> dict:
+        """Per phase held, the weight format its program reads (None: as loaded)."""
+        return dict(self.runner.weight_formats)
+
+    def weight_paths(self) -> dict[str, str]:
+        """Per phase, the matmul paths its weights run on (``ModelRunner.weight_paths``)."""
+        return self.runner.weight_paths()
+
+    def weight_path_rows(self) -> dict:
+        """Per phase held, every stored weight with the path that runs it (refusals included)."""
+        return self.runner.weight_path_rows()
+
+    def weights(self) -> list:
+        """The weight arrays in load order (what the server's fingerprint hashes)."""
+        return self.runner.params
+
+    def mirror_steps(self, send) -> None:
+        """Multi-process replica, process 0: ``send(kind, arrays, meta)`` before every device call."""
+        self.runner.set_mirror(send)
+
+    def follow_steps(self, channel) -> int:
+        """Multi-process replica, another process: replay process 0's device calls from
+        ``channel`` until it says stop; -> the number of calls."""
+        from jaxserve.multihost.follower import follow
+
+        return follow(self.runner, channel)
+
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return self.engine.eos_token_ids

@@ -85,7 +85,8 @@ class _Reader:
         return self._file(name).dtype_code(self.stored.get(name, name)) if name in self.index else None
 
 
-def _raw_config(path) -> dict:
+def raw_config(path) -> dict:
+    """A checkpoint directory's config.json as read (a multimodal wrapper's included)."""
     cfg_path = Path(path) / "config.json"
     if not cfg_path.exists():
         raise ConfigError(f"{path} has no config.json")
@@ -96,7 +97,7 @@ def _raw_config(path) -> dict:
 def load_config(path: str | os.PathLike) -> ModelConfig:
     """The model config (a multimodal wrapper's text model's); a quantization_config must be one
     jaxserve loads (else ConfigError)."""
-    text = text_model_config(_raw_config(path))
+    text = text_model_config(raw_config(path))
     prequantized.parse_quantization_config(text.get("quantization_config"))
     return config_from_dict(text)
 
@@ -131,7 +132,7 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = N
 
     if orbax_io.is_jaxserve_checkpoint(path):
         return orbax_io.load_model(path, dtype, mesh)
-    raw = _raw_config(path)
+    raw = raw_config(path)
     text = text_model_config(raw)
     scheme = prequantized.parse_quantization_config(text.get("quantization_config"))
     cfg = config_for_mesh(config_from_dict(text), mesh)

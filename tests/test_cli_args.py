@@ -47,3 +47,30 @@ def test_flags_round_trip_into_the_config_and_onto_another_command_line():
     assert not cfg.enable_prefix_caching and cfg.num_pages == 40
     again = build_parser().parse_args(["serve"] + engine_flags(args))
     assert engine_kwargs(again) == kw and again.kv_format == "fp8_e4m3"
+
+
+# Each command's model flags (ModelOptions): the defaults every command line has always had.
+MODEL_FLAGS = {
+    ("generate", "x"): dict(model=None, dtype="auto", num_devices=1),
+    ("serve",): dict(model=None, dtype="auto", num_devices=None),
+    ("convert", "a", "b"): dict(dtype="float32", kv_format=None),
+    ("bench",): dict(model=None, dtype="float32"),
+    ("experiment", "capacity"): dict(model=None, dtype="float32"),
+    ("experiment", "weights"): dict(model=None, dtype="float32", kv_format="bf16"),
+    ("experiment", "quality"): dict(model=None),
+}
+
+
+@pytest.mark.parametrize("cmd", list(MODEL_FLAGS))
+def test_model_flags_come_from_one_declaration_with_each_commands_defaults(cmd):
+    args = vars(build_parser().parse_args(list(cmd)))
+    assert {k: args[k] for k in ("model", "dtype", "num_devices") if k in args} == \
+        {k: v for k, v in MODEL_FLAGS[cmd].items() if k != "kv_format"}
+    if "kv_format" in MODEL_FLAGS[cmd]:
+        assert args["kv_format"] == MODEL_FLAGS[cmd]["kv_format"]
+    auto = MODEL_FLAGS[cmd].get("dtype") == "auto"
+    if "dtype" in args:
+        assert vars(build_parser().parse_args([*cmd, "--dtype", "bfloat16"]))["dtype"] == "bfloat16"
+        if not auto:
+            with pytest.raises(SystemExit):
+                build_parser().parse_args([*cmd, "--dtype", "auto"])

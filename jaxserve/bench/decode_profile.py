@@ -32,13 +32,13 @@ import sys
 import tempfile
 import time
 
+from jaxserve.cli_args import ModelOptions
+
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m jaxserve.bench.decode_profile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: the embedded SmolLM2)")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    ap.add_argument("--kv-format", default="bf16")
+    ModelOptions(dtype="float32", kv_format="bf16").add_to(ap)
     ap.add_argument("--decode-weights", default=None, help="decode weight format (default: as loaded)")
     ap.add_argument("--batch", type=int, action="append", default=None, help="repeat for several (default 1 and 32)")
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")

@@ -28,13 +28,12 @@ from jaxserve import cli_args
 from jaxserve.bench.measure import machine_info, write_json
 from jaxserve.bench.serving import format_report, run_workload, warm_up
 from jaxserve.bench.workload import make_workload
-from jaxserve.cli_args import add_engine_args
+from jaxserve.cli_args import ModelOptions, add_engine_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help="checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ModelOptions(dtype="float32").add_to(g)
     g = p.add_argument_group("engine (EngineConfig)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="default: the workload's longest prompt + output, rounded up to a power-of-two "

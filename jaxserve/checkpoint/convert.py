@@ -69,7 +69,7 @@ def convert(src, dst, prefill_weights: str | None = None, decode_weights: str | 
     from jaxserve.checkpoint import orbax_io
     from jaxserve.engine.llm_engine import EngineConfig
     from jaxserve.kv.formats import get_kv_format
-    from jaxserve.loader import _raw_config, load_model
+    from jaxserve.loader import load_model, raw_config
 
     src, dst = Path(src), Path(dst)
     if not (src / "config.json").is_file():
@@ -99,7 +99,7 @@ def convert(src, dst, prefill_weights: str | None = None, decode_weights: str | 
     }
 
     dst.mkdir(parents=True, exist_ok=True)
-    raw = _raw_config(src)
+    raw = raw_config(src)
     source_quant = (raw.pop("quantization_config", None) or {}).get("quant_method")
     with open(dst / "config.json", "w") as f:
         json.dump(raw, f, indent=2)
@@ -161,6 +161,8 @@ def _leaf_dtype(leaf):
 
 def register(subparsers) -> None:
     """Add the ``convert`` subcommand (cli.py calls this)."""
+    from jaxserve.cli_args import OMIT, ModelOptions
+
     p = subparsers.add_parser(
         "convert", help="convert a checkpoint into a jaxserve orbax checkpoint with per-phase weight formats",
         description=__doc__.splitlines()[0].replace("``", ""),
@@ -173,10 +175,10 @@ def register(subparsers) -> None:
     p.add_argument("--decode-weights", default=None,
                    help="decode weight format: bf16 | fp8 | fp8:block128 | int4:g32 | int4:g64 | int4:g128 "
                         "(int4 = int4:g128); default: as loaded")
-    p.add_argument("--kv-format", default=None, help="KV cache format recorded for serving (bf16 | fp8_e4m3)")
-    p.add_argument("--dtype", choices=_DTYPES, default="float32",
-                   help="dtype of the weights stored unquantized (norms, embeddings, ...); default float32, "
-                        "as `jaxserve generate` loads")
+    ModelOptions(model=OMIT, dtype="float32", kv_format=None, helps=(
+        ("--kv-format", "KV cache format recorded for serving (bf16 | fp8_e4m3)"),
+        ("--dtype", "dtype of the weights stored unquantized (norms, embeddings, ...); default float32, "
+                    "as `jaxserve generate` loads"))).add_to(p)
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_convert)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxserve.cli_args import add_format_args, enable_compile_cache, format_kwargs
+from jaxserve.cli_args import OMIT, ModelOptions, add_format_args, enable_compile_cache, format_kwargs
 from jaxserve.experiments import common
 
 # Flags a sweep over weight formats sets itself (weights, quality).
@@ -46,7 +46,7 @@ def _configs(s: str) -> list[str]:
 
 
 def _common(p: argparse.ArgumentParser, name: str) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
+    ModelOptions(dtype=OMIT).add_to(p)
     p.add_argument("--out", default=str(common.DEFAULT_OUT), help="output folder")
     p.add_argument("--name", default=name, help="file name stem of the outputs")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -79,7 +79,7 @@ def _add_capacity(sub) -> None:
     c.add_argument("--max-tokens", type=int, default=32)
     c.add_argument("--reps", type=int, default=2, help="timed repeats per cell (after one untimed warm-up)")
     c.add_argument("--page-size", type=int, default=16)
-    c.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ModelOptions(model=OMIT, dtype="float32").add_to(c)
     add_format_args(c, skip=("--kv-cache-memory",))  # the KV formats are swept; the rest applies to each engine
     c.set_defaults(func=_run_capacity)
 
@@ -96,9 +96,8 @@ def _add_weights(sub) -> None:
     w.add_argument("--prompt-len", type=int, default=128)
     w.add_argument("--max-tokens", type=int, default=24)
     w.add_argument("--reps", type=int, default=3)
-    w.add_argument("--kv-format", default="bf16")
+    ModelOptions(model=OMIT, dtype="float32", kv_format="bf16").add_to(w)
     w.add_argument("--page-size", type=int, default=16)
-    w.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     w.add_argument("--baseline", default=None, help="config the ratios are taken against (default: float32 if run)")
     add_format_args(w)  # weight formats are swept by --configs: only the backends and the KV budget apply
     w.set_defaults(func=_run_weights)

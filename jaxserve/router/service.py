@@ -25,7 +25,7 @@ from jaxserve.server import convert, errors
 from jaxserve.server.auth import API_KEY_HEADER, AUTH_HEADER, ApiKeys
 from jaxserve.server.errors import ServeError
 from jaxserve.server.limits import ServeLimits, StreamSlots, watch_unread
-from jaxserve.server.service import REPLICA_HEADER, SESSION_HEADER
+from jaxserve.server.headers import REPLICA_HEADER, SESSION_HEADER
 from jaxserve.v1 import jaxserve_pb2 as pb
 from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
 

@@ -11,32 +11,29 @@ import asyncio
 import logging
 import socket
 import threading
-import time
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxserve.server import address, announce, convert, errors
+from jaxserve.server import address, announce, convert
 from jaxserve.server.auth import ApiKeys, PeerCredentials
+from jaxserve.server.core import ServingCore
 from jaxserve.server.engine_loop import EngineLoop
 from jaxserve.server.guard import RequestGuard
 from jaxserve.server.http_server import HttpServer, HttpTls
 from jaxserve.server.limits import ServeLimits
 from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.readiness import NOT_SERVING, SERVICE_NAME, Readiness
 from jaxserve.server.service import JaxServeService
 from jaxserve.server.handoff_service import KvHandoffService
 from jaxserve.v1 import handoff_pb2 as hpb
 from jaxserve.v1 import handoff_pb2_grpc as hpb_grpc
-from jaxserve.v1 import jaxserve_pb2 as pb
 from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger("jaxserve.server")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name  # "jaxserve.v1.JaxServe"
 HANDOFF_SERVICE_NAME = hpb.DESCRIPTOR.services_by_name["KvHandoff"].full_name
-_SERVING = health_pb2.HealthCheckResponse.SERVING
-_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class Server:
@@ -86,7 +83,6 @@ class Server:
         self.group = group
         peers = [group.digests[p] for p in sorted(group.digests)] if group is not None else ()
         self.info = convert.model_info(llm, max_waiting, replica_id or "", peers)
-        self.replica_lost: asyncio.Event | None = None
         self._replica_id = replica_id
         # A prefill or decode worker also serves KvHandoff (the KV handoff between them).
         self.handoff_options = dict(transport=kv_transport, ttl_s=handoff_ttl_s, pull_timeout_s=pull_timeout_s,
@@ -95,9 +91,7 @@ class Server:
         if self.info.role != "both" or advertise_host is not None:  # ValueError before anything binds
             self.advertise_host = address.advertised_host(host, advertise_host)
         self.handoff = self._handoff_watch = None
-        self.failure: BaseException | None = None
-        self.warmup_seconds = 0.0  # engine thread start to SERVING
-        self._grpc = self._http = self.service = self.engine_loop = self.health = None
+        self._grpc = self._http = self.service = self.engine_loop = self.core = self.readiness = None
         self.http_port, self.http_tls, self.http = http_port, http_tls, None
         self.served_model_name = served_model_name or self.info.model or "jaxserve"
         self.agent_parsers = dict(tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
@@ -106,24 +100,24 @@ class Server:
         """Bind and start answering (health NOT_SERVING); warm-up runs on the engine thread
         and turns health SERVING when every serving program is compiled."""
         loop = asyncio.get_running_loop()
-        self._ready = asyncio.Event()
-        self.replica_lost = asyncio.Event()
-        self.health = health.aio.HealthServicer()
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, _NOT_SERVING)
-        self.engine_loop = EngineLoop(self.llm.engine, self.metrics, loop, self._on_ready, self._on_failed,
+        self.engine_loop = EngineLoop(self.llm.engine, self.metrics, loop, lambda: self.readiness.warm(),
+                                      lambda error: self.readiness.failed(error),
                                       explain_error=self._explain_step_error if self.group is not None else None,
-                                      on_progress=self._on_progress, serve_while_warming=self.serve_while_warming)
-        self.service = JaxServeService(self.llm, self.engine_loop, self.metrics, self.info, self.max_waiting,
-                                       keys=self.keys, max_id_length=self.max_id_length, limits=self.limits)
-        self._watchdog = asyncio.ensure_future(self.service.watch_unread())
+                                      on_progress=lambda done, total: self.readiness.progressed(done, total),
+                                      serve_while_warming=self.serve_while_warming)
+        self.core = ServingCore(self.llm, self.engine_loop, self.metrics, self.info, self.max_waiting, keys=self.keys,
+                                max_id_length=self.max_id_length, limits=self.limits)
+        self.readiness = Readiness(self.core, self.metrics, self.llm.engine.programs, self.target)
+        await self.readiness.set(NOT_SERVING)
+        self.service = JaxServeService(self.core)
+        self._watchdog = asyncio.ensure_future(self.core.watch_unread())
         # so_reuseport off: a second server asking for a busy port must fail, not share it. The
         # guard checks API keys (JaxServe only: health and reflection stay open, probes need them
         # and the schema is public) and turns unparsable request bytes into INVALID_ARGUMENT.
         self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
                                      interceptors=[RequestGuard(self.keys, self.metrics)])
         pb_grpc.add_JaxServeServicer_to_server(self.service, self._grpc)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.readiness.health, self._grpc)
         names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
         address = f"{self.host}:{self.port}"
         if self.credentials is None:
@@ -139,13 +133,14 @@ class Server:
         reflection.enable_server_reflection(names, self._grpc)
         # The default replica id names the port actually bound (a router's key for this replica).
         self.info.replica_id = self._replica_id or f"{socket.gethostname()}:{self.port}"
+        self.readiness.target = self.target
         self.metrics.info.info(announce.info_labels(self.info))
-        self.metrics.set_matmul_paths(self.llm.runner.weight_path_rows())
+        self.metrics.set_matmul_paths(self.llm.weight_path_rows())
         await self._grpc.start()
         if self.http_port is not None:
             from jaxserve.server.openai_http import OpenAIFrontEnd  # FastAPI only when asked for
 
-            self.http = HttpServer(OpenAIFrontEnd(self.service, self.served_model_name, **self.agent_parsers).app, self.host,
+            self.http = HttpServer(OpenAIFrontEnd(self.core, self.served_model_name, **self.agent_parsers).app, self.host,
                                    self.http_port, self.http_tls)
             await self.http.start()
             self.http_port = self.http.port
@@ -153,8 +148,8 @@ class Server:
             self._http, _, self.metrics_port = self.metrics.serve_http(self.metrics_port, self.metrics_host)
         announce.log_listening(self)
         if self.group is not None:
-            self.group.on_lost(lambda reason: loop.call_soon_threadsafe(self._on_replica_lost, reason))
-        self._warmup_started = time.perf_counter()
+            self.group.on_lost(lambda reason: loop.call_soon_threadsafe(self.readiness.lose_replica, reason))
+        self.readiness.warming()
         self.engine_loop.start()
 
     @property
@@ -175,30 +170,12 @@ class Server:
     def metrics_target(self) -> str:
         return f"{self.metrics_host}:{self.metrics_port}" if self.metrics_port is not None else "off"
 
-    def _on_progress(self, done: int, total: int) -> None:  # event loop thread
-        """Warm-up progress (health stays NOT_SERVING): see ``Generations.warmup_progressed``."""
-        self.service.generations.warmup_progressed(done, total, self.llm.engine.programs)
-
-    def _on_ready(self) -> None:  # event loop thread
-        asyncio.ensure_future(self._become_ready())
-
-    async def _become_ready(self) -> None:
-        if self.service.phase != "warming up":  # stopped during warm-up: stay NOT_SERVING
-            return
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, _SERVING)
-        self.service.phase = "serving"
-        self.warmup_seconds = time.perf_counter() - self._warmup_started
-        self.metrics.serving.set(1)
-        done, total = self.service.generations.warmup_progress
-        log.info("warm-up %s: SERVING on %s", "done" if done == total else
-                 f"serviceable ({done}/{total} programs ready; the rest build while serving)", self.target)
-        self._ready.set()
-
-    def _on_failed(self, error: BaseException) -> None:  # event loop thread
-        self.failure = error
-        self.service.phase = "failed"
-        self._ready.set()
+    # The readiness's state (``readiness.Readiness``; None, or 0 s, before ``start``): the health
+    # servicer, the event set when a replica process is lost, why it failed, warm-up's seconds.
+    health = property(lambda self: self.readiness and self.readiness.health)
+    replica_lost = property(lambda self: self.readiness and self.readiness.replica_lost)
+    failure = property(lambda self: self.readiness and self.readiness.failure)
+    warmup_seconds = property(lambda self: self.readiness.warmup_seconds if self.readiness else 0.0)
 
     def _explain_step_error(self, error: Exception) -> Exception:  # engine thread
         """A failed step of a multi-process replica: a lost process if the step channel
@@ -208,41 +185,21 @@ class Server:
         reason = self.group.wait_lost(self.group.group.peer_timeout_s)
         return ReplicaLost(reason) if reason is not None else error
 
-    def _on_replica_lost(self, reason: str) -> None:  # event loop thread
-        """A process of the replica is gone: the collectives may never complete, so nothing
-        waits for the engine thread. Health NOT_SERVING, new requests UNAVAILABLE, every
-        request in flight fails now with UNAVAILABLE naming the cause."""
-        if self.replica_lost.is_set():
-            return
-        self.failure = RuntimeError(f"replica lost: {reason}")
-        self.service.phase = "failed"
-        self.metrics.serving.set(0)
-        self.service.fail_all(errors.replica_lost(reason))
-        asyncio.ensure_future(self._set_health(_NOT_SERVING))
-        self.replica_lost.set()
-        self._ready.set()
-
-    async def _set_health(self, status) -> None:
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
-
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Until warm-up is done and health is SERVING; raises if warm-up failed."""
-        await asyncio.wait_for(self._ready.wait(), timeout)
-        if self.failure is not None:
-            raise RuntimeError(f"warm-up failed: {self.failure!r}") from self.failure
+        await self.readiness.wait(timeout)
 
     async def stop(self, grace: float = 10.0) -> None:
         """Graceful drain: health NOT_SERVING, new requests UNAVAILABLE, running ones get up
         to `grace` seconds to finish; the rest are cancelled (their pages freed)."""
         if self._grpc is None:
             return
-        warmed_up = self.service.phase == "serving"
-        self.service.phase = "draining"
+        warmed_up = self.core.phase == "serving"
+        self.core.phase = "draining"
         self.metrics.serving.set(0)
         await self.health.enter_graceful_shutdown()
-        idle = await self.service.wait_idle(grace)
-        log.info("drained (%s); stopping", "idle" if idle else f"{len(self.service.active)} cancelled")
+        idle = await self.core.wait_idle(grace)
+        log.info("drained (%s); stopping", "idle" if idle else f"{len(self.core.active)} cancelled")
         if self.http is not None:
             await self.http.stop()  # closes the connections: what is left aborts in the engine
         await self._grpc.stop(0.5)  # cancels what is left: their handlers abort in the engine
@@ -250,7 +207,7 @@ class Server:
         if self.handoff is not None:
             self._handoff_watch.cancel()
             await self.handoff.close()
-        self.service.close()
+        self.core.close()
         self.engine_loop.stop()
         # A warm-up in progress cannot be cut short (XLA is compiling), so it is not waited
         # for: engine_stopped stays False and the process may exit without it.

@@ -190,11 +190,11 @@ def timing(ttft_s: float | None, total_s: float) -> pb.Timing:
 # ---------------------------------------------------------------------- model identity
 def phase_formats(llm) -> dict[str, dict[str, str]]:
     """Weight and KV formats per phase: the weight format each phase's program reads
-    (``ModelRunner.weight_formats``: prefill reads the decode copy under
+    (``LLM.weight_formats``: prefill reads the decode copy under
     prefill_from_decode_weights; unset = as loaded, reported as the loaded dtype) and the KV
     format of the one page pool both phases share; a prefill worker holds no decode weights
     ("not held")."""
-    paths, held = llm.runner.weight_paths(), llm.runner.weight_formats
+    paths, held = llm.weight_paths(), llm.weight_formats()
     return {phase: {"weights": str(held[phase] or llm.dtype) if phase in held else "not held",
                     "kv_cache": llm.fmt.name, "matmul_path": paths[phase]}
             for phase in ("prefill", "decode")}
@@ -240,7 +240,7 @@ def model_info(llm, max_waiting: int, replica_id: str, peer_digests=()) -> pb.Mo
         num_pages=eng.config.num_pages,
         max_context=eng.max_model_len,
         vocab_size=llm.cfg.vocab_size,
-        fingerprint=fingerprint(llm.runner.params, formats, peer_digests),
+        fingerprint=fingerprint(llm.weights(), formats, peer_digests),
         has_tokenizer=tok is not None,
         eos_token_ids=sorted(eng.eos_token_ids),
         max_num_seqs=eng.config.max_num_seqs,

@@ -3,16 +3,8 @@
 Event loop -> engine thread: commands on a SimpleQueue (add, abort, call, stop), processed
 in FIFO order, so an abort can never overtake the add it refers to.
 Engine thread -> event loop: per step, one ``loop.call_soon_threadsafe`` hands a batch of
-(stream, event) pairs to ``_deliver``, which puts each event on its request's
-asyncio.Queue. Events are tuples:
-
-    ("start", prompt_tokens, cached_tokens)           once, when the scheduler admits it
-    ("delta", token_ids, text, logprobs)              new tokens (and/or text); logprobs: one
-                                                      (logprob, {id: logprob}) per token, or None
-    ("end", finish_reason, Usage, ttft_s, total_s, error, kv_export)
-                                  error: IntegrityError | KvHandoffError | None; kv_export: the
-                                  prompt's KvPayload for a request submitted with export_kv
-    ("error", exception)                              rejected by add_request, or step() failed
+(stream, event) pairs to ``_deliver``, which puts each event on its request's asyncio.Queue
+(``request_stream.RequestStream``, where the events are listed).
 
 Invariant: every submitted stream receives exactly one terminal event ("end" or "error"),
 even when its RPC has already gone away; the queue-depth accounting relies on it.
@@ -36,43 +28,10 @@ import time
 from typing import Callable
 
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.engine.warmup import warm_in_background
 from jaxserve.server import errors
+from jaxserve.server.request_stream import RequestStream
 
 log = logging.getLogger("jaxserve.server")
-
-
-@dataclasses.dataclass(eq=False)
-class RequestStream:
-    """One request as the event loop sees it (created by the service, fed by the engine)."""
-
-    request_id: str  # the client's id (or the generated one)
-    engine_id: str  # unique inside the engine
-    session_id: str
-    arrival: float  # time.perf_counter() when the RPC arrived
-    owner: str = ""  # the caller's identity (API key name; "" without keys): who may abort it
-    client: str = ""  # the unit of fair share (``generations.client_identity``): the engine's Sequence.client
-    queue: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
-    admitted: bool = False  # a start or terminal event arrived (no longer counts as waiting)
-    done: bool = False  # the handler consumed the terminal event
-    # GenerateStream only: when the write in progress began (None: not writing), the
-    # handler's task, and whether the unread-stream watchdog cancelled it.
-    writing_since: float | None = None
-    task: asyncio.Task | None = None
-    unread: bool = False
-    # n > 1: this stream is choice 0 and owns the other choices' streams (index 1..n-1), which
-    # share its ids and are aborted with it; each is one engine request.
-    index: int = 0
-    choices: list = dataclasses.field(default_factory=list)
-
-    async def events(self):
-        """Yield events up to and including the terminal one."""
-        while True:
-            ev = await self.queue.get()
-            yield ev
-            if ev[0] in ("end", "error"):
-                self.done = True
-                return
 
 
 @dataclasses.dataclass(eq=False)
@@ -156,7 +115,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             if self.serve_while_warming:
-                warm_in_background(self.engine, self._progress)
+                self._warm_in_background()
             else:
                 self.engine.warmup(progress=self._progress)
         except BaseException as e:  # the server cannot serve: say so, never report SERVING
@@ -172,6 +131,25 @@ class EngineLoop:
             self._sync()
             self._flush()
         self._reject_rest()
+
+    def _warm_in_background(self) -> None:
+        """``engine.warmup`` on a thread of its own; returns once any batch can run (the rest
+        builds meanwhile) and raises what warm-up raised before that."""
+        serviceable, failed = threading.Event(), []
+
+        def build():
+            try:
+                self.engine.warmup(progress=self._progress, on_serviceable=serviceable.set)
+            except BaseException as e:  # before serving, the caller gets it; after, built buckets serve on
+                if serviceable.is_set():
+                    log.exception("warm-up failed after serving began")
+                failed.append(e)
+                serviceable.set()
+
+        threading.Thread(target=build, name="jaxserve-warmup", daemon=True).start()
+        serviceable.wait()
+        if failed:
+            raise failed[0]
 
     def _progress(self, done: int, total: int) -> None:  # warm-up (engine or compile threads)
         if self._on_progress is not None:

@@ -76,7 +76,7 @@ def lead(group: GroupConfig, llm):
     from jaxserve.multihost.channel import StepLeader
 
     leader = StepLeader(group, bind_host(group))
-    llm.runner.set_mirror(leader.send)
+    llm.mirror_steps(leader.send)
     print(f"jaxserve: process 0 leads {group.num_processes} processes (step channel port {group.step_port})",
           flush=True)
     return leader
@@ -86,13 +86,12 @@ def follow(group: GroupConfig, llm) -> int:
     """Every other process: replay process 0's device calls until it says stop; -> exit code."""
     from jaxserve.multihost.channel import ReplicaLost, StepFollower
     from jaxserve.multihost.digest import shard_digest
-    from jaxserve.multihost.follower import follow as follow_calls
 
     try:
-        channel = StepFollower(group, shard_digest(llm.runner.params))
+        channel = StepFollower(group, shard_digest(llm.weights()))
         print(f"jaxserve: process {group.process_id} following process 0 at {group.host}:{group.step_port}",
               flush=True)
-        calls = follow_calls(llm.runner, channel)
+        calls = llm.follow_steps(channel)
         channel.close()
     except (ReplicaLost, ConnectionError, OSError) as e:
         print(f"jaxserve: process {group.process_id}: process 0 lost ({e})", file=sys.stderr, flush=True)

@@ -60,7 +60,16 @@ class ServerMetrics:
                                      registry=r)
         self.serving = Gauge("jaxserve_serving", "1 when warmed up and accepting requests", registry=r)
         self._model_metrics(r)
-        # KV handoff (prefill and decode workers, jaxserve.server.handoff_service).
+        self._handoff_metrics(r)
+        self.agents = AgentMetrics(r)  # structured outputs and tool calls
+        self._speculative_metrics(r)
+        for cause in ("stale_generation", "out_of_range_page", "page_not_owned"):
+            self.integrity_mismatches.labels(cause)  # export zeros, so rate() works from the start
+        self._seen_mismatches: dict[str, int] = {}
+        self._seen_checks = self._seen_rows = 0
+
+    def _handoff_metrics(self, r) -> None:
+        """The KV handoff (prefill and decode workers, jaxserve.server.handoff_service)."""
         self.handoff_offers = Counter("jaxserve_kv_handoff_offers", "KV offers made (prefill worker)", registry=r)
         self.handoff_open = Gauge("jaxserve_kv_handoff_open_offers", "KV offers awaiting a pull or release", registry=r)
         self.handoff_expired = Counter("jaxserve_kv_handoff_expired", "KV offers drained unpulled at expiry",
@@ -73,12 +82,6 @@ class ServerMetrics:
                                          buckets=_LATENCY, registry=r)
         self.handoff_failures = Counter("jaxserve_kv_handoff_failures", "KV handoffs refused or failed, by cause",
                                         ["cause"], registry=r)
-        self.agents = AgentMetrics(r)  # structured outputs and tool calls
-        self._speculative_metrics(r)
-        for cause in ("stale_generation", "out_of_range_page", "page_not_owned"):
-            self.integrity_mismatches.labels(cause)  # export zeros, so rate() works from the start
-        self._seen_mismatches: dict[str, int] = {}
-        self._seen_checks = self._seen_rows = 0
 
     def _speculative_metrics(self, r) -> None:
         """Speculative decoding (--speculative): acceptance rate = accepted / draft tokens; mean

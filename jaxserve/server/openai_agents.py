@@ -6,7 +6,6 @@ the text, and the parser that turns the text into content, reasoning and tool ca
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 import json
@@ -119,10 +118,11 @@ def arguments_ok(arguments: str) -> bool:
         return False
 
 
-async def check_grammar(engine, agent: AgentRequest, spec: StructuredOutput) -> None:
-    """INVALID_ARGUMENT naming the field when ``spec`` cannot compile (compiled off the loop)."""
+async def check_grammar(check, agent: AgentRequest, spec: StructuredOutput) -> None:
+    """INVALID_ARGUMENT naming the field when ``spec`` cannot compile (``await check(spec)``:
+    ``ServingCore.check_structured``, compiled off the loop)."""
     try:
-        await asyncio.to_thread(engine.check_structured, spec)
+        await check(spec)
     except ValueError as e:
         param = agent.field if spec.kind != "grammar" or agent.structured is not None else "tools"
         raise errors.invalid_argument(str(e), param) from None

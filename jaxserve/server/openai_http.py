@@ -1,24 +1,22 @@
-"""The OpenAI-compatible HTTP API (FastAPI on uvicorn), on the gRPC server's event loop and
-engine: /v1/chat/completions, /v1/completions, /v1/models and /health.
+"""The OpenAI-compatible HTTP API (FastAPI on uvicorn), the HTTP adapter of the ``ServingCore``
+on the gRPC server's event loop and engine: /v1/chat/completions, /v1/completions, /v1/models
+and /health.
 
-Requests go through the same checks as gRPC (ids, limits, API keys) and the same
-``Generations`` (queue limit, drain, abort on disconnect); errors are OpenAI's JSON
-``{"error": {"message", "type", "param", "code"}}`` with the matching HTTP status (and
-``Retry-After`` on 429 / 503). A client that disconnects, mid-stream or while waiting for
-a whole response, has its request aborted and its pages freed at once.
+Requests go through the core's checks (ids, limits, API keys) and its ``Generations`` (queue
+limit, drain, abort on disconnect), as gRPC's do; errors are OpenAI's JSON
+``{"error": {"message", "type", "param", "code"}}`` with the matching HTTP status
+(``openai_responses``). A client that disconnects, mid-stream or while waiting for a whole
+response, has its request aborted and its pages freed at once.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
 import time
 import uuid
 
-import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
@@ -26,96 +24,30 @@ from jaxserve.agents.message import MessageStream
 from jaxserve.server import convert, errors, validate
 from jaxserve.server import openai_agents as agents
 from jaxserve.server import openai_api as api
+from jaxserve.server.core import ServingCore
 from jaxserve.server.errors import ServeError
 from jaxserve.server.generations import choice_events, client_identity, terminal
+from jaxserve.server.headers import REPLICA_HEADER, REQUEST_ID_HEADER, SESSION_HEADER
 from jaxserve.server.limits import check_chat, check_stop, check_text
+from jaxserve.server.openai_responses import (EventStream, error_body, error_response, http_status, sse,
+                                              until_disconnect)
 
 log = logging.getLogger("jaxserve.server")
-SESSION_HEADER, REPLICA_HEADER = "x-session-affinity", "x-jaxserve-replica"
-_C = grpc.StatusCode
-# gRPC status -> (HTTP status, OpenAI error type, code)
-STATUS = {
-    _C.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
-    _C.FAILED_PRECONDITION: (400, "invalid_request_error", "unsupported"),
-    _C.UNAUTHENTICATED: (401, "authentication_error", "invalid_api_key"),
-    _C.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
-    _C.ALREADY_EXISTS: (409, "invalid_request_error", "conflict"),
-    _C.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "queue_full"),
-    _C.ABORTED: (500, "server_error", "integrity_check_failed"),
-    _C.INTERNAL: (500, "server_error", "internal_error"),
-    _C.UNAVAILABLE: (503, "service_unavailable", "unavailable"),
-    _C.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
-}
-
-
-def http_status(err: ServeError) -> int:
-    return err.http_status or STATUS.get(err.code, STATUS[_C.INTERNAL])[0]
-
-
-def error_body(err: ServeError) -> dict:
-    _, kind, code = STATUS.get(err.code, STATUS[_C.INTERNAL])
-    return {"error": {"message": err.message, "type": kind, "param": err.param, "code": code}}
-
-
-def error_response(err: ServeError) -> JSONResponse:
-    headers = {}
-    if err.retry_after_s is not None:  # HTTP's Retry-After is whole seconds; OpenAI's clients also read -ms
-        headers = {"retry-after": str(max(1, math.ceil(err.retry_after_s))),
-                   "retry-after-ms": str(max(1, round(err.retry_after_s * 1000)))}
-    return JSONResponse(error_body(err), http_status(err), headers)
-
-
-def sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-class EventStream(StreamingResponse):
-    """A text/event-stream response that watches for the client going away: when it does,
-    the body iterator is cancelled and closed. ``on_close()`` runs however the response
-    ends (even if the body was never started): it aborts what still runs and counts it."""
-
-    def __init__(self, body, headers: dict, on_close):
-        super().__init__(body, 200, dict(headers, **{"cache-control": "no-cache"}), "text/event-stream")
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        async def stream():
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        writer, watcher = asyncio.ensure_future(stream()), asyncio.ensure_future(until_disconnect(receive))
-        try:
-            await asyncio.wait({writer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (writer, watcher):
-                task.cancel()
-            await asyncio.gather(writer, watcher, return_exceptions=True)
-            try:
-                await self.body_iterator.aclose()
-            finally:
-                self.on_close()
-
-
-async def until_disconnect(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 class OpenAIFrontEnd:
-    """The HTTP routes over a ``JaxServeService`` (its generations, limits, keys, tokenizer)."""
+    """The HTTP routes over a ``ServingCore`` (its generations, limits, keys, tokenizer)."""
 
-    def __init__(self, service, model_name: str, tool_call_parser: str | None = None,
+    def __init__(self, core: ServingCore, model_name: str, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None):
-        self.service, self.gens = service, service.generations
-        cfg = service.llm.cfg
-        self.agents = agents.AgentFront(service.llm.tokenizer, cfg.architecture, cfg.model_type, tool_call_parser,
+        self.core, self.gens = core, core.generations
+        cfg = core.llm.cfg
+        self.agents = agents.AgentFront(core.tokenizer, cfg.architecture, cfg.model_type, tool_call_parser,
                                         reasoning_parser)
         self.model_name = model_name
         self.created = api.now()
-        self.fingerprint = "jaxserve-" + service.info.fingerprint[:12]
-        self.text_of = api.TokenText(service.llm.tokenizer)
+        self.fingerprint = "jaxserve-" + core.info.fingerprint[:12]
+        self.text_of = api.TokenText(core.tokenizer)
         app = self.app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
@@ -129,14 +61,14 @@ class OpenAIFrontEnd:
                                        "code": exc.status_code}}, exc.status_code)
 
     def _owner(self, request: Request) -> str:
-        owner = self.service.keys.identity(list(request.headers.items()))
+        owner = self.core.identity(list(request.headers.items()))
         if owner is None:
             raise errors.unauthenticated()
         return owner
 
     async def health(self, request: Request):
         if self.gens.phase != "serving":
-            return error_response(errors.unavailable(self.gens.state()))
+            return error_response(self.core.unavailable())
         return JSONResponse({"status": "serving", "model": self.model_name})
 
     async def models(self, request: Request):
@@ -146,7 +78,7 @@ class OpenAIFrontEnd:
             return error_response(e)
         return JSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "jaxserve",
-            "max_model_len": self.service.info.max_context}]})
+            "max_model_len": self.core.info.max_context}]})
 
     async def chat(self, request: Request):
         return await self._generate(request, api.parse_chat, "http.chat")
@@ -156,56 +88,28 @@ class OpenAIFrontEnd:
 
     async def _generate(self, request: Request, parse, label: str):
         client = request.client  # None on a unix socket: one peer for all
-        arrival, slot = time.perf_counter(), False
         peer = f"http:{client.host}:{client.port}" if client is not None else "http:local"
         try:
-            owner = self._owner(request)
-            req = parse(await self._body(request), self.service.limits.max_messages)
-            if req.model != self.model_name:
-                raise errors.not_found(f"the model {req.model!r} does not exist; this server serves "
-                                       f"{self.model_name!r} (GET /v1/models)", "model")
-            session = req.session_id or request.headers.get(SESSION_HEADER, "")
-            convert.check_id("session_id" if req.session_id else SESSION_HEADER, session,
-                             self.service.max_id_length)
-            self.gens.check_serving()
-            check_stop(req.stop, req.sampling["stop_token_ids"], self.service.limits)
-            if req.messages is not None:
-                check_chat(req.messages, self.service.limits)
-            else:
-                check_text(req.text, self.service.limits)
-            ids, prompt_text = await self._prompt_ids(req)
-            plan = self.agents.plan(req.chat, req.agent, prompt_text)
-            req.sampling.update(plan.sampling())
-            if plan.structured is not None:  # a grammar that cannot compile is refused before anything runs
-                await agents.check_grammar(self.service.llm.engine, req.agent, plan.structured)
-            info = self.service.info
-            params = req.params(len(ids), info.max_context, info.max_num_seqs)
-            if req.stream:
-                self.service.slots.acquire(peer)
-                slot = True
-            rid = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
-            stream = self.gens.submit(ids, params, rid, session, owner, arrival, client=client_identity(owner, peer))
+            req, stream, plan, session = await self._submit(request, parse, peer)
         except ClientDisconnect:  # left while sending its body: nobody to answer
             log.info("%s from %s: the client disconnected while sending its body; outcome=cancelled", label, peer)
-            self.service.metrics.requests.labels(label, "cancelled").inc()
+            self.core.metrics.requests.labels(label, "cancelled").inc()
             return Response(status_code=499)
         except Exception as e:  # not ServeError: this request's failure alone (a bug), logged once
-            if slot:
-                self.service.slots.release(peer)
             if not isinstance(e, ServeError):
                 log.exception("%s failed", label)
                 e = errors.internal(e)
-            self.service.metrics.requests.labels(label, e.outcome).inc()
+            self.core.metrics.requests.labels(label, e.outcome).inc()
             return error_response(e)
-        headers = {"x-request-id": rid, REPLICA_HEADER: info.replica_id}
+        headers = {REQUEST_ID_HEADER: stream.request_id, REPLICA_HEADER: self.core.info.replica_id}
         if session:
             headers[SESSION_HEADER] = session
         if req.stream:
             state = {"outcome": "cancelled"}  # until the stream says otherwise
 
             def close():
-                self.service.slots.release(peer)
-                self.gens.finish(stream, label, state["outcome"])
+                self.core.slots.release(peer)
+                self.core.finish(stream, label, state["outcome"])
 
             return EventStream(self._events(req, stream, state, plan), headers, close)
         work = asyncio.ensure_future(self._collect(req, stream, label, plan))
@@ -221,10 +125,44 @@ class OpenAIFrontEnd:
         body, status = work.result()
         return JSONResponse(body, status, headers if status == 200 else None)
 
+    async def _submit(self, request: Request, parse, peer: str):
+        """Check and submit one request -> (parsed request, stream, agent plan, session id); raises
+        (ServeError, ClientDisconnect, ...) having submitted nothing and holding no stream slot."""
+        arrival, core = time.perf_counter(), self.core
+        owner = self._owner(request)
+        req = parse(await self._body(request), core.limits.max_messages)
+        if req.model != self.model_name:
+            raise errors.not_found(f"the model {req.model!r} does not exist; this server serves "
+                                   f"{self.model_name!r} (GET /v1/models)", "model")
+        session = req.session_id or request.headers.get(SESSION_HEADER, "")
+        core.check_id("session_id" if req.session_id else SESSION_HEADER, session)
+        self.gens.check_serving()
+        check_stop(req.stop, req.sampling["stop_token_ids"], core.limits)
+        if req.messages is not None:
+            check_chat(req.messages, core.limits)
+        else:
+            check_text(req.text, core.limits)
+        ids, prompt_text = await self._prompt_ids(req)
+        plan = self.agents.plan(req.chat, req.agent, prompt_text)
+        req.sampling.update(plan.sampling())
+        if plan.structured is not None:  # a grammar that cannot compile is refused before anything runs
+            await agents.check_grammar(core.check_structured, req.agent, plan.structured)
+        params = req.params(len(ids), core.info.max_context, core.info.max_num_seqs)
+        if req.stream:
+            core.slots.acquire(peer)
+        rid = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
+        try:
+            stream = core.submit(ids, params, rid, session, owner, arrival, client=client_identity(owner, peer))
+        except BaseException:
+            if req.stream:
+                core.slots.release(peer)
+            raise
+        return req, stream, plan, session
+
     async def _body(self, request: Request):
         """The body as JSON, counted while it arrives (chunked or not): refused (413) as soon
         as it passes --max-body-bytes, without reading the rest; its nesting bounded (--max-json-depth)."""
-        limits = self.service.limits
+        limits = self.core.limits
         limit = limits.max_body_bytes
         too_large = errors.too_large(f"the request body is over {limit} bytes (--max-body-bytes)")
         declared = request.headers.get("content-length")
@@ -240,15 +178,15 @@ class OpenAIFrontEnd:
 
     async def _prompt_ids(self, req) -> tuple[list[int], str]:
         """-> (prompt ids, the prompt's text: "" for ids)."""
-        tok = self.service.llm.tokenizer
+        tok, core = self.core.tokenizer, self.core
         if req.messages is not None:
             if tok is None:
                 raise errors.failed_precondition("this model has no tokenizer: chat messages need the model's "
                                                  "tokenizer and chat template")
-            text = await self.service.off_loop(req.text, self.agents.render, req.messages, req.agent)
-            return await self.service.off_loop(text, convert.encode_text, tok, text, False), text
+            text = await core.off_loop(req.text, self.agents.render, req.messages, req.agent)
+            return await core.off_loop(text, convert.encode_text, tok, text, False), text
         if isinstance(req.prompt, str):
-            return await self.service.off_loop(req.prompt, convert.encode_text, tok, req.prompt, False), req.prompt
+            return await core.off_loop(req.prompt, convert.encode_text, tok, req.prompt, False), req.prompt
         return list(req.prompt), ""
 
     def _logprobs(self, req, token_ids, logprobs, offset: int):
@@ -279,7 +217,7 @@ class OpenAIFrontEnd:
             body["choices"] = [api.choice(req, i, texts[i], ends[i][0], self._logprobs(req, ids[i], lps[i], 0))
                                for i in range(n)]
             if plan.parser is not None:  # content, reasoning and tool calls from the text
-                agents.whole_messages(plan, body["choices"], texts, stream.request_id, self.service.metrics.agents,
+                agents.whole_messages(plan, body["choices"], texts, stream.request_id, self.core.metrics.agents,
                                       self.agents.tool_parser)
             first = ends[0][1]
             sums = [sum(getattr(e[1], f) for e in ends) for f in ("completion_tokens", "draft_tokens", "accepted_draft_tokens")]
@@ -292,7 +230,7 @@ class OpenAIFrontEnd:
             outcome = "cancelled"
             raise
         finally:
-            self.gens.finish(stream, label, outcome)
+            self.core.finish(stream, label, outcome)
 
     async def _events(self, req, stream, state: dict, plan):
         """The SSE body: chunks per choice, a usage chunk if asked, then ``data: [DONE]``;
@@ -327,7 +265,7 @@ class OpenAIFrontEnd:
                     if parsed is not None:
                         for choice in agents.delta_choices(i, parsed[i].finish(), None):
                             yield sse(dict(out, choices=[choice]))
-                        agents.count_calls(self.service.metrics.agents, self.agents.tool_parser, parsed[i].last.calls)
+                        agents.count_calls(self.core.metrics.agents, self.agents.tool_parser, parsed[i].last.calls)
                         reason = "tool_calls" if parsed[i].has_calls and reason == "stop" else reason
                     drafts[i] = (usage.draft_tokens, usage.accepted_draft_tokens)
                     out["choices"] = [api.chunk_choice(req, i, None if req.chat else "", reason, None)]

@@ -1,16 +1,14 @@
-"""The ``jaxserve.v1.JaxServe`` servicer (grpc.aio): validation, streams, errors, accounting.
+"""The ``jaxserve.v1.JaxServe`` servicer (grpc.aio): the gRPC adapter of the ``ServingCore``.
 
-Handlers run on the event loop and never touch the engine: they validate the request,
-register a ``RequestStream`` and hand it to the engine thread (``EngineLoop.submit``), then
-relay its events. Whatever way a generation RPC ends (finished, error, cancelled by the
-client, deadline expired), ``_close`` runs: it aborts the request through the engine thread
-if it is still running (freeing its pages at once), and counts the outcome.
+Handlers run on the event loop and never touch the engine: they turn the proto into the core's
+checks and a submission (``ServingCore.submit``: a ``RequestStream`` handed to the engine
+thread), then relay its events as proto messages. Whatever way a generation RPC ends
+(finished, error, cancelled by the client, deadline expired), ``_close`` runs: the core aborts
+the request if it is still running (freeing its pages at once) and counts the outcome.
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import functools
 import logging
 import time
 import uuid
@@ -18,54 +16,38 @@ import uuid
 import grpc
 
 from jaxserve.server import convert, errors
-from jaxserve.server.auth import ApiKeys
-from jaxserve.server.engine_loop import EngineLoop, RequestStream
+from jaxserve.server.core import ServingCore
+from jaxserve.server.engine_loop import RequestStream
 from jaxserve.server.errors import ServeError
-from jaxserve.server.generations import Generations, choice_events, client_identity, terminal
-from jaxserve.server.limits import ServeLimits, StreamSlots, check_chat, check_stop, check_text, watch_unread
+from jaxserve.server.generations import choice_events, client_identity, terminal
+from jaxserve.server.headers import REPLICA_HEADER, REQUEST_ID_HEADER, SESSION_HEADER
+from jaxserve.server.limits import check_chat, check_stop, check_text
 from jaxserve.v1 import jaxserve_pb2 as pb
 from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger("jaxserve.server")
 
-SESSION_HEADER = "x-session-affinity"
-REPLICA_HEADER = "x-jaxserve-replica"
-LARGE_TEXT_CHARS = 65536  # texts this long are tokenized on the LARGE_TEXT_WORKERS pool
-LARGE_TEXT_WORKERS = 2
-
+__all__ = ["JaxServeService", "REPLICA_HEADER", "SESSION_HEADER"]
 
 _unary_errors = errors.unary_errors(log)
 
 
 class JaxServeService(pb_grpc.JaxServeServicer):
-    def __init__(self, llm, engine_loop: EngineLoop, metrics, info: pb.ModelInfo, max_waiting: int,
-                 keys: ApiKeys | None = None, max_id_length: int = convert.MAX_ID_LENGTH,
-                 limits: ServeLimits | None = None):
-        self.limits = (limits or ServeLimits()).resolved(info.max_context)
-        self.slots = StreamSlots(self.limits)
-        self._large_texts = concurrent.futures.ThreadPoolExecutor(LARGE_TEXT_WORKERS, "jaxserve-tokenize")
-        self.llm = llm
-        self.keys = keys or ApiKeys()
-        self.max_id_length = max_id_length
-        self.engine_loop = engine_loop
-        self.metrics = metrics
-        self.info = info
-        self.max_waiting = max_waiting
-        self.generations = Generations(engine_loop, metrics, max_waiting, info.max_num_seqs,
-                                       self.limits.max_queued_per_client)
+    def __init__(self, core: ServingCore):
+        self.core = core
+        self.info = core.info
 
-    # ------------------------------------------------------------------ generation
+    @property
+    def generations(self):
+        return self.core.generations
+
     @property
     def phase(self) -> str:
-        return self.generations.phase
-
-    @phase.setter
-    def phase(self, value: str) -> None:
-        self.generations.phase = value
+        return self.core.phase
 
     @property
     def active(self) -> dict[str, RequestStream]:
-        return self.generations.active
+        return self.core.active
 
     async def Generate(self, request, context):
         stream, outcome, closed = None, "internal", False
@@ -130,9 +112,9 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         KV handoff arguments (KvHandoff.Decode streams a handed-off request this way)."""
         stream, outcome, closed, peer = None, "internal", False, context.peer() or ""
         try:
-            self.slots.acquire(peer)
+            self.core.slots.acquire(peer)
         except ServeError as e:
-            self.metrics.requests.labels(rpc, e.outcome).inc()
+            self.core.metrics.requests.labels(rpc, e.outcome).inc()
             await context.abort(e.code, e.message, e.trailing_metadata())
         try:
             stream = await self._open(request, context, handoff)
@@ -167,7 +149,7 @@ class JaxServeService(pb_grpc.JaxServeServicer):
             asyncio.current_task().uncancel()
             outcome = "unread_timeout"
             context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
-            context.set_details(f"no stream event read for {self.limits.stream_idle_timeout_s:g}s; "
+            context.set_details(f"no stream event read for {self.core.limits.stream_idle_timeout_s:g}s; "
                                 f"cancelled (--stream-idle-timeout)")
         except Exception as e:
             if self._client_gone(context, rpc, e):  # a write to a client that has left
@@ -177,60 +159,57 @@ class JaxServeService(pb_grpc.JaxServeServicer):
             closed = self._close(stream, rpc, "internal")
             await context.abort(grpc.StatusCode.INTERNAL, errors.internal(e).message)
         finally:
-            self.slots.release(peer)
+            self.core.slots.release(peer)
             if not closed:
                 self._close(stream, rpc, outcome)
-
-    async def watch_unread(self) -> None:
-        """Runs while the server does: see ``limits.watch_unread``."""
-        await watch_unread(self.active.values, self.limits.stream_idle_timeout_s)
 
     async def _open(self, req: pb.GenerateRequest, context, handoff: dict | None = None) -> RequestStream:
         """Validate and submit; raises ServeError (nothing is submitted then). handoff: the
         engine's KV handoff arguments (export_kv / kv_import)."""
-        arrival = time.perf_counter()
+        arrival, core = time.perf_counter(), self.core
         headers = {k: v for k, v in (context.invocation_metadata() or ())}
         # Ids are echoed in response headers: checked first, so a bad one never runs.
-        rid = convert.check_id("request_id", req.request_id, self.max_id_length)
+        rid = core.check_id("request_id", req.request_id)
         session = req.session_id or str(headers.get(SESSION_HEADER, ""))
-        convert.check_id("session_id" if req.session_id else SESSION_HEADER, session, self.max_id_length)
-        self.generations.check_serving()
+        core.check_id("session_id" if req.session_id else SESSION_HEADER, session)
+        core.generations.check_serving()
         if self.info.role == "prefill" and not handoff:
             raise errors.failed_precondition("a prefill worker serves KvHandoff.Prefill only; send generation "
                                              "requests to a decode (or both) worker or the router")
-        check_stop(req.stop.stop, req.stop.stop_token_ids, self.limits)  # before any work on them
+        check_stop(req.stop.stop, req.stop.stop_token_ids, core.limits)  # before any work on them
         params = convert.choice_params(convert.sampling_params(req), req.n or 1, self.info.max_num_seqs)
         ids = await self.prompt_ids(req)
         if params[0].structured is not None:  # a grammar that cannot compile: refused before anything runs
             try:
-                await asyncio.to_thread(self.llm.engine.check_structured, params[0].structured)
+                await core.check_structured(params[0].structured)
             except ValueError as e:
                 raise errors.invalid_argument(f"structured: {e}") from None
         rid = rid or f"req-{uuid.uuid4().hex}"
-        md = [(REPLICA_HEADER, self.info.replica_id), ("x-request-id", rid)]
+        md = [(REPLICA_HEADER, self.info.replica_id), (REQUEST_ID_HEADER, rid)]
         if session:
             md.append((SESSION_HEADER, session))
         await context.send_initial_metadata(tuple(md))
-        owner = self.keys.identity(context.invocation_metadata()) or ""
+        owner = core.identity(context.invocation_metadata()) or ""
         if handoff and len(params) > 1:
             raise errors.invalid_argument("n > 1 cannot be combined with a KV handoff")
         if handoff and params[0].logprobs is not None:  # an offer carries the first token, not its log-prob
             raise errors.invalid_argument("log-probs cannot be combined with a KV handoff")
         # It may have stopped serving during the awaits above: submit checks again.
         client = client_identity(owner, context.peer() or "")
-        return self.generations.submit(ids, params, rid, session, owner, arrival, handoff, client=client)
+        return core.submit(ids, params, rid, session, owner, arrival, handoff, client=client)
 
     async def prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
         """The request's prompt as ids (texts and conversations within --max-prompt-bytes,
         tokenized off the event loop)."""
-        max_messages = self.limits.max_messages
+        core = self.core
+        max_messages = core.limits.max_messages
         if req.messages:
-            check_chat(req.messages, self.limits)  # before templating them
+            check_chat(req.messages, core.limits)  # before templating them
         elif req.WhichOneof("prompt") != "text":
-            return convert.prompt_ids(req, self.llm.tokenizer, max_messages)
+            return convert.prompt_ids(req, core.tokenizer, max_messages)
         else:
-            check_text(req.text, self.limits)  # before tokenizing it
-        return await self.off_loop(req.text, convert.prompt_ids, req, self.llm.tokenizer, max_messages)
+            check_text(req.text, core.limits)  # before tokenizing it
+        return await core.off_loop(req.text, convert.prompt_ids, req, core.tokenizer, max_messages)
 
     async def open_stream(self, req: pb.GenerateRequest, context, handoff: dict) -> RequestStream:
         """Validate and submit a KV handoff request (KvHandoff.Prefill); the caller reads its
@@ -260,44 +239,21 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         return True
 
     def _close(self, stream: RequestStream | None, rpc: str, outcome: str) -> bool:
-        return self.generations.finish(stream, rpc, outcome)
-
-    async def off_loop(self, text: str, fn, *args):
-        """fn(*args) (a tokenization of `text`) on a worker thread. Large texts get their own
-        small pool, so a burst of them queues there instead of taking every default worker;
-        ``Tokenizer.encode`` releases the GIL for them, so the event loop keeps running."""
-        if len(text) < LARGE_TEXT_CHARS:
-            return await asyncio.to_thread(fn, *args)
-        return await asyncio.get_running_loop().run_in_executor(self._large_texts, functools.partial(fn, *args))
-
-    def close(self) -> None:
-        self._large_texts.shutdown(wait=False, cancel_futures=True)
-
-    def fail_all(self, error: ServeError) -> None:
-        """End every generation in flight with ``error`` now, from the event loop, without
-        the engine thread (which may be blocked for good: a lost replica process)."""
-        for stream in list(self.active.values()):
-            for s in (stream, *stream.choices):
-                if not s.done:
-                    s.queue.put_nowait(("error", error))
-
-    async def wait_idle(self, timeout: float) -> bool:
-        """Wait until no generation is in flight (for a graceful drain); False on timeout."""
-        return await self.generations.wait_idle(timeout)
+        return self.core.finish(stream, rpc, outcome)
 
     # ------------------------------------------------------------------ other RPCs
     @_unary_errors
     async def Tokenize(self, request, context):
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        check_text(request.text, self.limits, "the text")
-        ids = await self.off_loop(request.text, convert.encode_text, self.llm.tokenizer, request.text,
-                                   request.apply_chat_template, add)
+        check_text(request.text, self.core.limits, "the text")
+        ids = await self.core.off_loop(request.text, convert.encode_text, self.core.tokenizer, request.text,
+                                        request.apply_chat_template, add)
         return pb.TokenizeResponse(token_ids=ids)
 
     @_unary_errors
     async def Detokenize(self, request, context):
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        text = await asyncio.to_thread(convert.decode_ids, self.llm.tokenizer, list(request.token_ids),
+        text = await asyncio.to_thread(convert.decode_ids, self.core.tokenizer, list(request.token_ids),
                                        self.info.vocab_size, skip)
         return pb.DetokenizeResponse(text=text)
 
@@ -305,7 +261,7 @@ class JaxServeService(pb_grpc.JaxServeServicer):
     async def GetModelInfo(self, request, context):
         info = pb.ModelInfo()
         info.CopyFrom(self.info)
-        total, used, free = self.engine_loop.kv_pages
+        total, used, free = self.core.engine_loop.kv_pages
         info.kv_pages.CopyFrom(pb.KvPages(total=total, used=used, free=free))
         return info
 
@@ -313,6 +269,6 @@ class JaxServeService(pb_grpc.JaxServeServicer):
     async def Abort(self, request, context):
         """With API keys, a caller may abort only requests started with its own key; others'
         ids are reported not found (their existence is not disclosed)."""
-        caller = self.keys.identity(context.invocation_metadata()) or ""
-        aborted, not_found = await self.generations.abort(request.request_ids, caller)
+        caller = self.core.identity(context.invocation_metadata()) or ""
+        aborted, not_found = await self.core.generations.abort(request.request_ids, caller)
         return pb.AbortResponse(aborted=aborted, not_found=not_found)

@@ -1,10 +1,13 @@
-"""One real gRPC server for the whole directory: a tiny text model on 127.0.0.1, an
-ephemeral port, an in-process grpc.aio server on its own thread (``ServerThread``).
+"""Two in-process servers for the whole directory (``ServerThread``: a grpc.aio server and the
+OpenAI HTTP API on its own thread, ephemeral ports on 127.0.0.1):
 
-Before serving, the same LLM computes the expected completions of every case with the
-Python API (``llm.generate``); the server must then give exactly those tokens. Warm-up is
-held on a gate until the fixture has observed the not-yet-warm server (health NOT_SERVING,
-Generate UNAVAILABLE), so that observation is deterministic.
+- ``served``: a tiny text model. Before serving, the same LLM computes the expected completions
+  of every case with the Python API (``llm.generate``); the server must then give exactly those
+  tokens. For the end-to-end tests that need a model (tokens, tokenizer, log-probs, formats).
+- ``mock_served``: the mock engine (``jaxserve.testing.MockLLM``: no model, tokens by arithmetic,
+  ``mock_cases``) for the server's own behaviour: errors, limits, abuse, fuzzing, disconnects,
+  fair share. Its warm-up is held on a gate until the fixture has observed the not-yet-warm
+  server (health NOT_SERVING, Generate UNAVAILABLE), so that observation is deterministic.
 """
 from __future__ import annotations
 
@@ -134,32 +137,17 @@ class Served:
 
 @pytest.fixture(scope="session")
 def served(llm, cases, logprobs_reference):
+    """The tiny model's server (gRPC and HTTP), once the expected completions are computed. What a
+    server does before SERVING is watched on the mock engine's (``mock_served``)."""
     from jaxserve.client import Client
     from jaxserve.server.app import ServerThread
-
-    gate, real_warmup = threading.Event(), llm.engine.warmup
-    llm.engine.warmup = lambda **kw: (gate.wait(120), real_warmup(**kw))
     from jaxserve.server.limits import ServeLimits
 
     st = ServerThread(llm, max_waiting=MAX_WAITING, replica_id="test-replica", limits=ServeLimits(**LIMITS),
                       http_port=0, served_model_name=MODEL_NAME).start()
     client = Client(st.target, timeout=60)
-    boot = {"health": client.health(), "service_health": client.health("jaxserve.v1.JaxServe")}
-    try:
-        client.generate([5, 6, 7], max_tokens=2)
-        boot["generate"] = grpc.StatusCode.OK
-    except grpc.RpcError as e:
-        boot["generate"] = e.code()
-    boot["info_while_warming"] = client.model_info().architecture  # metadata works before SERVING
-    base = st.http_target.removesuffix("/v1")
-    boot["http_health"] = http_call(base + "/health")
-    boot["http_chat"] = http_call(base + "/v1/chat/completions", {
-        "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-    gate.set()
     st.wait_ready()
-    del llm.engine.warmup
-    boot["health_after"] = client.health()
-    yield Served(st, client, boot)
+    yield Served(st, client, {})
     client.close()
     st.stop()
 
@@ -200,3 +188,89 @@ def eventually(fn, timeout: float = 5.0):
         if value or time.monotonic() > end:
             return value
         time.sleep(0.01)
+
+
+# ---------------------------------------------------------------------- the mock engine's server
+# The same server over ``jaxserve.testing.MockLLM`` (no model): the engine's scheduler, pages and
+# outputs with arithmetic for a model (greedy: each token is the previous + 1), the tokenizer one
+# id per character (id = ord(char) + OFFSET). Server, limits, abuse and fuzz tests run on it.
+MOCK_ENGINE = {k: v for k, v in ENGINE.items() if k != "kv_format"} | dict(step_seconds=0.005)
+MOCK_TEXT = "The capital of France is"  # greedy: "tuvwxyz{|}..." (after the final "s")
+
+
+def mock_text(ids) -> str:
+    """The mock tokenizer's text of generated (non-special) ids."""
+    from jaxserve.testing.mock_llm import OFFSET
+
+    return "".join(chr(t - OFFSET) for t in ids)
+
+
+class MockCompletion(list):
+    """Expected token ids (the list), text and finish reason of a mock-engine request."""
+
+    def __init__(self, ids, text: str, finish_reason: str = "length"):
+        super().__init__(ids)
+        self.text, self.finish_reason = text, finish_reason
+
+
+def _mock(ids, finish_reason: str = "length", text: str | None = None) -> MockCompletion:
+    return MockCompletion(ids, mock_text(ids) if text is None else text, finish_reason)
+
+
+def mock_cases() -> dict:
+    """CASES' names for the mock engine -> (prompt, kwargs, expected MockCompletion), by hand:
+    greedy tokens step by 1 from the prompt's last token, sampled ones by 1 + seed % 7; a chat's
+    prompt ends with the template's "\n" (id 15); penalties do not move the mock."""
+    from jaxserve.testing import char_ids, greedy_ids
+
+    last = char_ids(MOCK_TEXT)[-1]  # "s"
+    greedy = greedy_ids(IDS_A[-1], 12)
+    chat = greedy_ids(char_ids("\n")[0], 10)
+    return {
+        "ids_greedy": (IDS_A, dict(max_tokens=12, ignore_eos=True), _mock(greedy)),
+        "text_greedy": (MOCK_TEXT, dict(max_tokens=10), _mock(greedy_ids(last, 10), text="tuvwxyz{|}")),
+        "chat_template": ("What is two plus two?", dict(max_tokens=10, chat_template=True), _mock(chat)),
+        "sampled": (IDS_B, dict(max_tokens=12, temperature=0.8, top_k=50, top_p=0.9, seed=9, ignore_eos=True),
+                    _mock([IDS_B[-1] + 3 * k for k in range(1, 13)])),  # 1 + 9 % 7 = 3
+        "penalties": (IDS_A[:13], dict(max_tokens=12, repetition_penalty=1.3, presence_penalty=0.5,
+                                       frequency_penalty=0.4, ignore_eos=True), _mock(greedy_ids(IDS_A[12], 12))),
+        "multi_turn": (CONVERSATION, dict(max_tokens=10), _mock(chat)),
+        "logprobs": (IDS_A[:9], dict(max_tokens=6, ignore_eos=True, logprobs=3), _mock(greedy_ids(IDS_A[8], 6))),
+        "stop_token": (IDS_A, dict(max_tokens=12, ignore_eos=True, stop_token_ids=[greedy[4]]),
+                       _mock(greedy[:5], "stop")),  # the stop token's own text stays, as the engine's
+        "stop_string": (MOCK_TEXT, dict(max_tokens=10, stop=["wx"]), _mock(greedy_ids(last, 5), "stop", "tuv")),
+    }
+
+
+@pytest.fixture(scope="session")
+def mock_served():
+    """A ServerThread over a MockLLM with the served fixture's limits and names, observed before
+    SERVING (its warm-up held on the mock engine's gate): ``boot``."""
+    from jaxserve.client import Client
+    from jaxserve.server.app import ServerThread
+    from jaxserve.server.limits import ServeLimits
+    from jaxserve.testing import MockLLM
+
+    llm = MockLLM(**MOCK_ENGINE)
+    llm.engine.warmup_gate = gate = threading.Event()
+    st = ServerThread(llm, max_waiting=MAX_WAITING, replica_id="test-replica", limits=ServeLimits(**LIMITS),
+                      http_port=0, served_model_name=MODEL_NAME).start()
+    client = Client(st.target, timeout=60)
+    boot = {"health": client.health(), "service_health": client.health("jaxserve.v1.JaxServe")}
+    try:
+        client.generate([5, 6, 7], max_tokens=2)
+        boot["generate"] = grpc.StatusCode.OK
+    except grpc.RpcError as e:
+        boot["generate"] = e.code()
+    boot["info_while_warming"] = client.model_info().architecture
+    base = st.http_target.removesuffix("/v1")
+    boot["http_health"] = http_call(base + "/health")
+    boot["http_chat"] = http_call(base + "/v1/chat/completions", {
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    gate.set()
+    st.wait_ready()
+    boot["health_after"] = client.health()
+    yield Served(st, client, boot)
+    client.close()
+    st.stop()
+

@@ -1,8 +1,8 @@
 """Request values outside the engine's types are a 400 at the edge (never a 500, never a step
 failure for others), and a request's work is bounded before it is admitted: an HTTP body
 counted while it arrives (chunked or not), a chat's message count before templating; clients
-that leave early are logged once at INFO as cancelled. Over real sockets against the served
-fixture (httpx, the official openai client's own transport; raw sockets for the bodies)."""
+that leave early are logged once at INFO as cancelled. Over real sockets against the mock engine's
+server (httpx, the official openai client's own transport; raw sockets for the bodies)."""
 import json
 import logging
 import select
@@ -22,7 +22,18 @@ except ImportError:
 from jaxserve.client import build_request
 from jaxserve.v1 import jaxserve_pb2 as pb
 
-from .conftest import CONVERSATION, LIMITS, MODEL_NAME, eventually
+from .conftest import CONVERSATION, LIMITS, MODEL_NAME, eventually, mock_cases
+
+
+@pytest.fixture(scope="module")
+def served(mock_served):
+    """This module's server: the mock engine's (no model; tokens by ``mock_cases``' arithmetic)."""
+    return mock_served
+
+
+@pytest.fixture(scope="module")
+def cases():
+    return mock_cases()
 
 HUGE = 10**400  # a 401-digit integer
 CHAT = {"model": MODEL_NAME, "messages": CONVERSATION, "max_tokens": 2}
@@ -198,11 +209,10 @@ def _blocked_writers(served) -> int:
     return sum(s.writing_since is not None for s in list(served.server.service.active.values()))
 
 
-def test_generate_streams_whose_clients_never_read_and_close_are_cancelled_not_internal(served, cases, caplog):
+def test_generate_streams_whose_clients_never_read_and_close_are_cancelled_not_internal(served, caplog):
     """Clients that open a stream, read nothing and close: each stream's write waits for the
     client's flow-control window (20 log-probs a token fill it), then the channel goes away."""
-    p, _, _ = cases["sampled"]
-    req = build_request(list(p), max_tokens=240, ignore_eos=True, logprobs=20)
+    req = build_request([40000], max_tokens=240, ignore_eos=True, logprobs=20)  # ids of three varint bytes
     with caplog.at_level(logging.INFO, logger="jaxserve.server"):
         channels = []
         for _ in range(3):

@@ -3,7 +3,8 @@ nothing is logged as an error, and the server then still gives the exact greedy 
 
 Requests go through a generic channel with identity serializers, so the bytes on the wire
 are exactly what the strategies drew: valid messages with hostile field values, and raw
-bytes that may not parse at all. Seeded (derandomized) and bounded.
+bytes that may not parse at all. Seeded (derandomized) and bounded. On the mock engine's
+server (``mock_served``): no model runs, the tokens are the mock's arithmetic.
 """
 import logging
 
@@ -12,6 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxserve.v1 import jaxserve_pb2 as pb
+
+from .conftest import mock_cases
 
 SERVICE = "/jaxserve.v1.JaxServe/"
 # path -> kind; health and reflection get raw bytes too (their messages are not ours to fuzz).
@@ -124,7 +127,7 @@ def _call(channel, method: str, data: bytes, metadata=None):
         return e.code(), e.details()
 
 
-def test_no_request_gets_internal_or_unknown_and_serving_continues(served, cases, caplog):
+def test_no_request_gets_internal_or_unknown_and_serving_continues(mock_served, caplog):
     seen = {}
 
     def check(method, data, metadata=None):
@@ -149,14 +152,15 @@ def test_no_request_gets_internal_or_unknown_and_serving_continues(served, cases
     def fuzz_others(case):
         check(*case)
 
-    with caplog.at_level(logging.WARNING), grpc.insecure_channel(served.target) as channel:
+    with caplog.at_level(logging.WARNING), grpc.insecure_channel(mock_served.target) as channel:
         fuzz_generate()
         fuzz_bytes()
         fuzz_others()
     assert seen.get(grpc.StatusCode.OK, 0) >= 20 and seen.get(grpc.StatusCode.INVALID_ARGUMENT, 0) >= 100, seen
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors[:5]]
-    assert served.kv().used == 0 and served.server.engine_loop.waiting == 0
-    for name in ("ids_greedy", "text_greedy"):
-        prompt, kw, want = cases[name]
-        assert list(served.client.generate(prompt, **kw).token_ids) == list(want)
+    assert mock_served.kv().used == 0 and mock_served.server.engine_loop.waiting == 0
+    for name in ("ids_greedy", "text_greedy"):  # the mock's arithmetic: each token the previous + 1
+        prompt, kw, want = mock_cases()[name]
+        r = mock_served.client.generate(prompt, **kw)
+        assert (list(r.token_ids), r.text) == (list(want), want.text)

@@ -1,15 +1,17 @@
-"""Generation over gRPC gives exactly what the Python API gives (unary, streaming, many at
-once), with usage, cached tokens, ids, sessions, tokenizer RPCs and model info."""
+"""Generation over gRPC gives exactly what the Python API gives (unary, streaming), with usage,
+tokenizer RPCs, model info and the integrity check's failures, on the tiny model; many requests at
+once, cached tokens, ids and sessions on the mock engine's server (its arithmetic's tokens)."""
 import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import numpy as np
 import pytest
 
 from jaxserve.client import finish_reason
 
-from .conftest import CASES, IDS_A
+from .conftest import CASES, IDS_A, mock_cases
 
 
 def collect_stream(client, prompt, **kw):
@@ -48,42 +50,43 @@ def test_unary_and_stream_give_the_python_api_tokens(served, cases, name):
     assert end.timing.HasField("time_to_first_token_s") and 0 < end.timing.time_to_first_token_s <= end.timing.total_s
 
 
-def test_concurrent_requests_give_the_same_tokens(served, cases):
-    names = list(cases) * 2  # 20 requests, 16 at a time (= MAX_WAITING), against max_num_seqs=8
+def test_concurrent_requests_give_the_same_tokens(mock_served):
+    cases = mock_cases()
+    names = list(cases) * 2  # 18 requests, 16 at a time (= MAX_WAITING), against max_num_seqs=8
 
     def run(i_name):
         i, name = i_name
         prompt, kw, _ = cases[name]
         if i % 2:
-            return name, collect_stream(served.client, prompt, **kw)[1]
-        return name, list(served.client.generate(prompt, **kw).token_ids)
+            return name, collect_stream(mock_served.client, prompt, **kw)[1]
+        return name, list(mock_served.client.generate(prompt, **kw).token_ids)
 
     with ThreadPoolExecutor(16) as pool:
         for name, ids in pool.map(run, enumerate(names)):
             assert ids == list(cases[name][2]), name
-    assert served.kv().used == 0
+    assert mock_served.kv().used == 0
 
 
-def test_cached_tokens_are_reported_at_start_and_end(served):
+def test_cached_tokens_are_reported_at_start_and_end(mock_served):
     prompt = IDS_A + [11, 12, 13, 14]  # 24 tokens: 2 full pages can come from the prefix cache
-    served.client.generate(prompt, max_tokens=3, ignore_eos=True)
-    start, _, _, end = collect_stream(served.client, prompt, max_tokens=3, ignore_eos=True)
+    mock_served.client.generate(prompt, max_tokens=3, ignore_eos=True)
+    start, _, _, end = collect_stream(mock_served.client, prompt, max_tokens=3, ignore_eos=True)
     assert start.cached_tokens == end.usage.cached_tokens == (len(prompt) - 1) // 8 * 8 == 16
     assert end.usage.prompt_tokens == len(prompt)
 
 
-def test_request_ids_are_generated_or_kept(served):
-    a = served.client.generate([5, 6, 7], max_tokens=2)
-    b = served.client.generate([5, 6, 7], max_tokens=2)
+def test_request_ids_are_generated_or_kept(mock_served):
+    a = mock_served.client.generate([5, 6, 7], max_tokens=2)
+    b = mock_served.client.generate([5, 6, 7], max_tokens=2)
     assert a.request_id and b.request_id and a.request_id != b.request_id
-    c = served.client.generate([5, 6, 7], max_tokens=2, request_id="mine-1")
+    c = mock_served.client.generate([5, 6, 7], max_tokens=2, request_id="mine-1")
     assert c.request_id == "mine-1"
-    start, *_ = collect_stream(served.client, [5, 6, 7], max_tokens=2, request_id="mine-1")  # reusable when done
+    start, *_ = collect_stream(mock_served.client, [5, 6, 7], max_tokens=2, request_id="mine-1")  # reusable when done
     assert start.request_id == "mine-1"
 
 
-def test_session_id_from_field_or_header_is_echoed(served):
-    stub = served.client.stub
+def test_session_id_from_field_or_header_is_echoed(mock_served):
+    stub = mock_served.client.stub
     from jaxserve.client import build_request
 
     r, call = stub.Generate.with_call(build_request([5, 6], max_tokens=2), metadata=(("x-session-affinity", "s-hdr"),))
@@ -91,9 +94,9 @@ def test_session_id_from_field_or_header_is_echoed(served):
     md = dict(call.initial_metadata())
     assert md["x-session-affinity"] == "s-hdr" and md["x-jaxserve-replica"] == "test-replica"
     assert md["x-request-id"] == r.request_id
-    r = served.client.generate([5, 6], max_tokens=2, session_id="s-field", session_header="s-hdr")
+    r = mock_served.client.generate([5, 6], max_tokens=2, session_id="s-field", session_header="s-hdr")
     assert r.session_id == "s-field"  # the field wins over the header
-    start, *_ = collect_stream(served.client, [5, 6], max_tokens=2, session_id="s-stream")
+    start, *_ = collect_stream(mock_served.client, [5, 6], max_tokens=2, session_id="s-stream")
     assert start.session_id == "s-stream"
 
 
@@ -183,3 +186,31 @@ def test_fingerprint_known_values():
     changed[1][1, 2] = 7  # one byte of the last weight
     assert fingerprint(changed, {"decode": "int4:g128"}) != fingerprint(w, {"decode": "int4:g128"})
     assert fingerprint([w[1].reshape(3, 2)], {}) != fingerprint([w[1]], {})  # same bytes, another shape
+
+
+def test_integrity_failure_is_aborted_with_the_cause(served, cases):
+    before = served.metrics()
+    it = served.client.generate_stream(IDS_A, max_tokens=200, ignore_eos=True, request_id="tampered")
+    assert next(it).WhichOneof("event") == "start"
+    assert next(it).WhichOneof("event") == "delta"
+    eid = served.server.service.active["tampered"].engine_id
+
+    def tamper(eng):  # what a host bookkeeping bug would do: the page table no longer matches
+        eng.get_request(eid).expected[0] += 2
+
+    served.thread.call(tamper)
+    with pytest.raises(grpc.RpcError) as e:
+        for _ in it:
+            pass
+    assert e.value.code() == grpc.StatusCode.ABORTED
+    assert "stale_generation" in e.value.details()
+    assert dict(e.value.trailing_metadata())["x-jaxserve-integrity-cause"] == "stale_generation"
+    after = served.metrics()
+    key = ("jaxserve_integrity_mismatches_total", (("cause", "stale_generation"),))
+    assert after[key] == before[key] + 1
+    for name in ("jaxserve_integrity_checks_total", "jaxserve_integrity_rows_checked_total"):
+        assert after[(name, ())] > before[(name, ())]  # every program call checks its rows
+    assert after[("jaxserve_requests_total", (("outcome", "aborted"), ("rpc", "GenerateStream")))] >= 1
+    assert served.kv().used == 0
+    p, kw, want = cases["sampled"]
+    assert list(served.client.generate(p, **kw).token_ids) == list(want)

@@ -2,7 +2,8 @@
 values (deep, huge, lone surrogates, wrong types) in every field of both endpoints, and raw
 bytes that are not JSON. Every answer is a status the client caused (never 5xx), nothing is
 logged as an error or with a traceback, no page stays held, and a fixed greedy probe gives
-the same tokens afterwards. Over a real socket (httpx); derandomized and bounded."""
+the same tokens afterwards. Over a real socket (httpx); derandomized and bounded; on the mock
+engine's server (``mock_served``)."""
 import json
 import logging
 
@@ -14,7 +15,7 @@ except ImportError:
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .conftest import MODEL_NAME
+from .conftest import MODEL_NAME, mock_cases
 
 SETTINGS = dict(derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
 SURROGATE = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
@@ -63,7 +64,7 @@ RAW = st.one_of(st.binary(max_size=40), st.sampled_from([
     b'{"model": "tiny-llama", "prompt": "x", "n": 1e400}', b"\xff\xfe", b'{"a": NaN}']))
 
 
-def test_no_body_gets_a_5xx_or_a_traceback_and_serving_continues(served, cases, caplog):
+def test_no_body_gets_a_5xx_or_a_traceback_and_serving_continues(mock_served, caplog):
     seen = {}
 
     def check(path, data):
@@ -84,14 +85,15 @@ def test_no_body_gets_a_5xx_or_a_traceback_and_serving_continues(served, cases, 
     def fuzz_raw(chat, data):
         check("/v1/chat/completions" if chat else "/v1/completions", data)
 
-    base = served.http_target.removesuffix("/v1")
+    base = mock_served.http_target.removesuffix("/v1")
     with caplog.at_level(logging.INFO), httpx.Client(base_url=base, timeout=60) as http:
         fuzz_bodies()
         fuzz_raw()
     assert seen.get(200, 0) >= 15 and seen.get(400, 0) >= 60, seen
     bad = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
     assert not bad, bad[:5]
-    assert served.eventually_idle()
-    for name in ("ids_greedy", "text_greedy"):
-        prompt, kw, want = cases[name]
-        assert list(served.client.generate(prompt, **kw).token_ids) == list(want)
+    assert mock_served.eventually_idle()
+    for name in ("ids_greedy", "text_greedy"):  # the mock's arithmetic: each token the previous + 1
+        prompt, kw, want = mock_cases()[name]
+        r = mock_served.client.generate(prompt, **kw)
+        assert (list(r.token_ids), r.text) == (list(want), want.text)

@@ -31,24 +31,24 @@ AT_LIMIT = {  # the same limits exactly reached: accepted
 
 
 @pytest.mark.parametrize("name", list(OVER))
-def test_each_limit_is_invalid_argument_naming_its_flag(served, name):
+def test_each_limit_is_invalid_argument_naming_its_flag(mock_served, name):
     prompt, kw, flag = OVER[name]
-    for call in (served.client.generate, lambda p, **k: list(served.client.generate_stream(p, **k))):
+    for call in (mock_served.client.generate, lambda p, **k: list(mock_served.client.generate_stream(p, **k))):
         with pytest.raises(grpc.RpcError) as e:
             call(prompt, max_tokens=2, **kw)
         assert e.value.code() == INVALID and flag in e.value.details(), e.value.details()
     if name in AT_LIMIT:
-        assert served.client.generate([5, 6], max_tokens=2, ignore_eos=True, **AT_LIMIT[name]).token_ids
-    assert served.kv().used == 0
+        assert mock_served.client.generate([5, 6], max_tokens=2, ignore_eos=True, **AT_LIMIT[name]).token_ids
+    assert mock_served.kv().used == 0
 
 
-def test_tokenize_is_bounded_by_the_prompt_limit(served):
+def test_tokenize_is_bounded_by_the_prompt_limit(mock_served):
     with pytest.raises(grpc.RpcError) as e:
-        served.client.tokenize("a" * (LIMITS["max_prompt_bytes"] + 1))
+        mock_served.client.tokenize("a" * (LIMITS["max_prompt_bytes"] + 1))
     assert e.value.code() == INVALID and "--max-prompt-bytes" in e.value.details()
 
 
-def test_prompt_limit_defaults_from_the_context_length(served):
+def test_prompt_limit_defaults_from_the_context_length(mock_served):
     assert ServeLimits().resolved(256).max_prompt_bytes == PROMPT_BYTES_PER_TOKEN * 256
     assert ServeLimits(max_prompt_bytes=10).resolved(256).max_prompt_bytes == 10
     with pytest.raises(ValueError, match="max_streams"):
@@ -114,21 +114,21 @@ def _open_streams(target, n):
     return channel, client, calls
 
 
-def test_open_streams_are_capped_per_connection_and_in_total(served):
+def test_open_streams_are_capped_per_connection_and_in_total(mock_served):
     """The engine is held between steps meanwhile, so no stream can finish and free its slot."""
     per_peer, total = LIMITS["max_streams_per_peer"], LIMITS["max_streams"]
     release = threading.Event()
-    held = served.server.engine_loop.call(lambda engine: release.wait(30))
+    held = mock_served.server.engine_loop.call(lambda engine: release.wait(30))
     channels = []
     try:
-        a, client_a, calls_a = _open_streams(served.target, per_peer)
+        a, client_a, calls_a = _open_streams(mock_served.target, per_peer)
         channels.append(a)
         with pytest.raises(grpc.RpcError) as e:
             next(client_a.generate_stream(IDS_A[:6], max_tokens=2))
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "--max-streams-per-connection" in e.value.details()
-        b, _, calls_b = _open_streams(served.target, total - per_peer)  # another connection: fine
-        c, client_c = _connect(served.target)
+        b, _, calls_b = _open_streams(mock_served.target, total - per_peer)  # another connection: fine
+        c, client_c = _connect(mock_served.target)
         channels += [b, c]
         with pytest.raises(grpc.RpcError) as e:
             next(client_c.generate_stream(IDS_A[:6], max_tokens=2))
@@ -143,7 +143,7 @@ def test_open_streams_are_capped_per_connection_and_in_total(served):
         release.set()
         for ch in channels:
             ch.close()
-    assert eventually(lambda: served.kv().used == 0, timeout=10)
+    assert eventually(lambda: mock_served.kv().used == 0, timeout=10)
 
 
 def _try_stream(client) -> bool:
@@ -153,30 +153,30 @@ def _try_stream(client) -> bool:
         return False
 
 
-def test_an_unread_stream_is_cancelled_after_its_timeout_and_its_pages_freed(served):
+def test_an_unread_stream_is_cancelled_after_its_timeout_and_its_pages_freed(mock_served):
     """The client asks for a stream and reads nothing: with a 64-byte flow-control window
     the server's writes block after a message or two. The engine is held between steps
     (ServerThread.call) until the stream's timeout has cancelled it, so the request cannot
     simply finish first; once released, the abort frees its pages well before its 240 tokens."""
     key = dict(rpc="GenerateStream", outcome="unread_timeout")
-    before = served.metrics()
+    before = mock_served.metrics()
     max_tokens = 240
     opts = [("grpc.http2.lookahead_bytes", 64), ("grpc.http2.bdp_probe", 0)]
-    channel, client = _connect(served.target, opts)
+    channel, client = _connect(mock_served.target, opts)
     release = threading.Event()
     try:
         call = client.generate_stream(IDS_A[:8], max_tokens=max_tokens, ignore_eos=True)
         # A few tokens out: their messages (with the start event) are more than the window holds.
-        assert eventually(lambda: metric(served.metrics(), "jaxserve_completion_tokens_total")
+        assert eventually(lambda: metric(mock_served.metrics(), "jaxserve_completion_tokens_total")
                           - metric(before, "jaxserve_completion_tokens_total") >= 6, timeout=10)
-        held = served.server.engine_loop.call(lambda engine: release.wait(20))
-        timed_out = eventually(lambda: metric(served.metrics(), "jaxserve_requests_total", **key)
+        held = mock_served.server.engine_loop.call(lambda engine: release.wait(20))
+        timed_out = eventually(lambda: metric(mock_served.metrics(), "jaxserve_requests_total", **key)
                                > metric(before, "jaxserve_requests_total", **key), timeout=10)
         release.set()
         held.result(10)
         assert timed_out
-        assert eventually(lambda: served.kv().used == 0, timeout=10)
-        generated = (metric(served.metrics(), "jaxserve_completion_tokens_total")
+        assert eventually(lambda: mock_served.kv().used == 0, timeout=10)
+        generated = (metric(mock_served.metrics(), "jaxserve_completion_tokens_total")
                      - metric(before, "jaxserve_completion_tokens_total"))
         assert 0 < generated < max_tokens  # aborted, not finished
         with pytest.raises(grpc.RpcError) as e:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API through the official ``openai`` client, against the served
 fixture (the same engine as gRPC): greedy output equal to ``LLM.generate`` and gRPC, streaming
 to ``data: [DONE]``, usage with cached tokens, log-probs against an independent prefill, n with
-seeds, errors in OpenAI's shape and codes, and disconnects that abort and free pages."""
+seeds; and on the mock engine's server (``mock_served``, no model): errors in OpenAI's shape and
+codes, the full queue, ids and sessions, and disconnects that abort and free pages."""
 import http.client
 import json
 import socket
@@ -14,7 +15,7 @@ import pytest
 
 from jaxserve.client import build_request
 
-from .conftest import CONVERSATION, IDS_A, MAX_WAITING, MODEL_NAME, eventually, http_call, metric
+from .conftest import CONVERSATION, IDS_A, MAX_WAITING, MODEL_NAME, eventually, http_call, metric, mock_cases
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +24,23 @@ def oai(served):
         yield client
 
 
+@pytest.fixture(scope="module")
+def mock_oai(mock_served):
+    """The openai client of the mock engine's server (errors, limits, disconnects: no model needed)."""
+    with openai.OpenAI(base_url=mock_served.http_target, api_key="unused", max_retries=0, timeout=60) as client:
+        yield client
+
+
 def token_texts(llm, ids):
     return [llm.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
 
 
-def test_before_warmup_health_and_generation_are_503_with_retry_after(served):
-    status, body, headers = served.boot["http_health"]
+def test_before_warmup_health_and_generation_are_503_with_retry_after(mock_served):
+    status, body, headers = mock_served.boot["http_health"]
     assert status == 503 and body["error"]["type"] == "service_unavailable" and "warming up" in body["error"]["message"]
-    status, body, headers = served.boot["http_chat"]
+    status, body, headers = mock_served.boot["http_chat"]
     assert status == 503 and int(headers["retry-after"]) >= 1
-    assert http_call(served.http_target.removesuffix("/v1") + "/health")[:2] == (200, {"status": "serving",
+    assert http_call(mock_served.http_target.removesuffix("/v1") + "/health")[:2] == (200, {"status": "serving",
                                                                                    "model": MODEL_NAME})
 
 
@@ -129,8 +137,8 @@ def error_of(call):
     return e.value.status_code, e.value.body, e.value.response.headers
 
 
-def test_errors_have_openai_shape_and_status(served, oai):
-    chat = oai.chat.completions.create
+def test_errors_have_openai_shape_and_status(mock_served, mock_oai):
+    chat = mock_oai.chat.completions.create
     status, body, _ = error_of(lambda: chat(model=MODEL_NAME, messages=CONVERSATION, top_p=0))
     assert status == 400 and body["param"] == "top_p" and body["type"] == "invalid_request_error"
     status, body, _ = error_of(lambda: chat(model="gpt-4o", messages=CONVERSATION))
@@ -139,24 +147,25 @@ def test_errors_have_openai_shape_and_status(served, oai):
     assert status == 400 and body["param"] == "messages"
     status, body, _ = error_of(lambda: chat(model=MODEL_NAME, messages=CONVERSATION, n=99))
     assert status == 400 and "n must be" in body["message"]
-    status, body, _ = error_of(lambda: oai.completions.create(model=MODEL_NAME, prompt=[5, 10**6]))
+    status, body, _ = error_of(lambda: mock_oai.completions.create(model=MODEL_NAME, prompt=[5, 10**6]))
     assert status == 400 and "vocabulary" in body["message"]
-    status, body, _ = error_of(lambda: oai.completions.create(model=MODEL_NAME, prompt="x", stop=["s"] * 65))
+    status, body, _ = error_of(lambda: mock_oai.completions.create(model=MODEL_NAME, prompt="x", stop=["s"] * 65))
     assert status == 400 and "--max-stop-strings" in body["message"]
-    status, body, headers = http_call(served.http_target + "/nothing-here", {})
+    status, body, headers = http_call(mock_served.http_target + "/nothing-here", {})
     assert status == 404 and "error" in body
-    assert served.eventually_idle()
+    assert mock_served.eventually_idle()
 
 
-def test_full_queue_is_429_with_retry_after(served, cases, oai):
-    loop = served.server.engine_loop
+def test_full_queue_is_429_with_retry_after(mock_served, mock_oai):
+    cases = mock_cases()
+    loop = mock_served.server.engine_loop
     hold = threading.Event()
     blocked = loop.call(lambda eng: hold.wait(30))  # the engine thread admits nothing meanwhile
     p, kw, want = cases["ids_greedy"]
-    futs = [served.client.stub.Generate.future(build_request(p, **kw), timeout=60) for _ in range(MAX_WAITING)]
+    futs = [mock_served.client.stub.Generate.future(build_request(p, **kw), timeout=60) for _ in range(MAX_WAITING)]
     try:
         assert eventually(lambda: loop.waiting == MAX_WAITING, 10)
-        status, body, headers = error_of(lambda: oai.completions.create(model=MODEL_NAME, prompt=[5], max_tokens=2))
+        status, body, headers = error_of(lambda: mock_oai.completions.create(model=MODEL_NAME, prompt=[5], max_tokens=2))
     finally:
         hold.set()
     blocked.result(10)
@@ -169,43 +178,44 @@ def _cancelled(served, api):
     return metric(served.metrics(), "jaxserve_requests_total", rpc=api, outcome="cancelled")
 
 
-def test_a_stream_whose_client_disconnects_is_aborted_and_frees_its_pages(served):
-    before = _cancelled(served, "http.chat")
-    url = urllib.parse.urlsplit(served.http_target)
+def test_a_stream_whose_client_disconnects_is_aborted_and_frees_its_pages(mock_served):
+    before = _cancelled(mock_served, "http.chat")
+    url = urllib.parse.urlsplit(mock_served.http_target)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
     conn.request("POST", "/v1/chat/completions", json.dumps({
-        "model": MODEL_NAME, "messages": CONVERSATION, "max_tokens": 180, "temperature": 0, "stream": True,
-        "ignore_eos": True}), {"content-type": "application/json"})
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 180, "temperature": 0,
+        "stream": True, "ignore_eos": True}), {"content-type": "application/json"})
     resp = conn.getresponse()
-    while b"content" not in resp.readline():  # a token has been generated: the request holds pages
-        pass
-    assert served.kv().used > 0
+    assert resp.status == 200
+    while b"content" not in (line := resp.readline()):  # a token has been generated: the request holds pages
+        assert line, "the stream ended before its first token"
+    assert mock_served.kv().used > 0
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    assert served.eventually_idle()
-    assert eventually(lambda: _cancelled(served, "http.chat") == before + 1)
+    assert mock_served.eventually_idle()
+    assert eventually(lambda: _cancelled(mock_served, "http.chat") == before + 1)
 
 
-def test_a_waiting_client_that_disconnects_is_aborted_and_frees_its_pages(served):
-    before = _cancelled(served, "http.completions")
-    url = urllib.parse.urlsplit(served.http_target)
+def test_a_waiting_client_that_disconnects_is_aborted_and_frees_its_pages(mock_served):
+    before = _cancelled(mock_served, "http.completions")
+    url = urllib.parse.urlsplit(mock_served.http_target)
     body = json.dumps({"model": MODEL_NAME, "prompt": IDS_A, "max_tokens": 200, "ignore_eos": True}).encode()
     sock = socket.create_connection((url.hostname, url.port), timeout=30)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                  b"content-length: %d\r\n\r\n" % len(body) + body)
-    assert eventually(lambda: served.kv().used > 0, 10)  # running
+    assert eventually(lambda: mock_served.kv().used > 0, 10)  # running
     sock.close()
-    assert served.eventually_idle()
-    assert eventually(lambda: _cancelled(served, "http.completions") == before + 1)
+    assert mock_served.eventually_idle()
+    assert eventually(lambda: _cancelled(mock_served, "http.completions") == before + 1)
 
 
-def test_session_header_and_ids_are_echoed(served, oai):
-    raw = oai.chat.completions.with_raw_response.create(
+def test_session_header_and_ids_are_echoed(mock_served, mock_oai):
+    raw = mock_oai.chat.completions.with_raw_response.create(
         model=MODEL_NAME, messages=CONVERSATION, max_tokens=2, extra_headers={"x-session-affinity": "s-42"})
     r = raw.parse()
     assert raw.headers["x-session-affinity"] == "s-42" and raw.headers["x-request-id"] == r.id
     assert raw.headers["x-jaxserve-replica"] == "test-replica"
-    status, body, _ = error_of(lambda: oai.chat.completions.create(
+    status, body, _ = error_of(lambda: mock_oai.chat.completions.create(
         model=MODEL_NAME, messages=CONVERSATION, extra_body={"session_id": "has space"}))
     assert status == 400 and "session_id" in body["message"]
-    assert [m.id for m in oai.models.list().data] == [MODEL_NAME]
+    assert [m.id for m in mock_oai.models.list().data] == [MODEL_NAME]

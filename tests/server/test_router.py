@@ -1,7 +1,9 @@
-"""`jaxserve route` over two `jaxserve serve` workers, all real processes on loopback: the
-router's answers are the worker's (tokens, texts, errors), a session keeps its worker, a shared
-prefix goes where it is cached, and a killed worker is taken out while requests keep succeeding.
-The tests run in order: the last one kills a worker."""
+"""`jaxserve route` (a real process on loopback) over two workers: the router's answers are the
+worker's (tokens, texts, errors), a session keeps its worker, a shared prefix goes where it is
+cached, and a stopped worker is taken out while requests keep succeeding. The workers are servers
+over the mock engine (``jaxserve.testing.MockLLM``, in this process: greedy tokens are the
+previous + 1); one test routes to the real tiny model's server (``served``).
+The tests run in order: the cluster's last two stop a worker, then the router."""
 import re
 import signal
 import sys
@@ -13,15 +15,15 @@ import pytest
 
 from jaxserve.client import Client, build_request, finish_reason
 
-from .conftest import IDS_A, IDS_B, eventually
-from .serve_process import ServeProcess, serve_args, server_env
+from .conftest import IDS_A, IDS_B, MOCK_ENGINE, MOCK_TEXT, eventually, mock_text
+from .serve_process import ServeProcess, server_env
 
 CASES = [
     (IDS_A, dict(max_tokens=12, ignore_eos=True)),
-    ("The capital of France is", dict(max_tokens=10)),
+    (MOCK_TEXT, dict(max_tokens=10)),
     ("What is two plus two?", dict(max_tokens=10, chat_template=True)),
     (IDS_B, dict(max_tokens=12, temperature=0.8, top_k=50, top_p=0.9, seed=7, ignore_eos=True)),
-    ("The capital of France is", dict(max_tokens=10, stop=["is"])),
+    (MOCK_TEXT, dict(max_tokens=10, stop=["wx"])),
 ]
 BAD = [
     ([], dict(max_tokens=2)),  # empty prompt
@@ -33,23 +35,20 @@ BAD = [
 ]
 
 
-def _target(proc: ServeProcess, marker: str) -> str:
-    line = proc.wait_for(marker, timeout=240)
-    return re.search(r"on (127\.0\.0\.1:\d+)", line).group(1)
-
-
 @pytest.fixture(scope="module")
-def cluster(tiny_text_model):
-    env = server_env()
-    workers = [ServeProcess(serve_args(tiny_text_model, "--log-level", "info"), env) for _ in range(2)]
+def cluster():
+    from jaxserve.server.app import ServerThread
+    from jaxserve.testing import MockLLM
+
+    workers = [ServerThread(MockLLM(**MOCK_ENGINE), metrics_port=None).start() for _ in range(2)]
     router = None
     try:
-        addresses = [_target(w, "listening on") for w in workers]
         for w in workers:
-            w.wait_for("SERVING on", timeout=240)
+            w.wait_ready(60)
+        addresses = [w.target for w in workers]
         router = ServeProcess([sys.executable, "-m", "jaxserve.router.cli", "route", "--port", "0",
                                "--metrics-port", "-1", "--health-interval", "0.2", "--unhealthy-after", "1",
-                               *[a for addr in addresses for a in ("--worker", addr)]], env)
+                               *[a for addr in addresses for a in ("--worker", addr)]], server_env())
         line = router.wait_for("routing on", timeout=60)
         assert "2 up" in line, router.output
         target = re.search(r"routing on (127\.0\.0\.1:\d+)", line).group(1)
@@ -58,9 +57,10 @@ def cluster(tiny_text_model):
         for c in clients:
             c.close()
     finally:
-        for p in [router, *workers]:
-            if p is not None:
-                p.close()
+        if router is not None:
+            router.close()
+        for w in workers:
+            w.stop(0.5)
 
 
 def _replica(client: Client, prompt, **kw) -> tuple:
@@ -91,6 +91,10 @@ def test_choices_log_probs_and_conversations_are_a_workers(cluster):
 
 def test_tokens_and_texts_are_a_workers(cluster):
     client, direct = cluster["client"], cluster["direct"][0]
+    r = client.generate(IDS_A, max_tokens=4, ignore_eos=True)  # the mock's arithmetic: the previous + 1
+    assert list(r.token_ids) == [IDS_A[-1] + k for k in (1, 2, 3, 4)] and r.text == mock_text(r.token_ids)
+    r = client.generate(MOCK_TEXT, max_tokens=10, stop=["wx"])
+    assert (r.text, finish_reason(r)) == ("tuv", "stop")
     for prompt, kw in CASES:
         want, got = direct.generate(prompt, **kw), client.generate(prompt, **kw)
         assert (list(got.token_ids), got.text, got.finish_reason) == (list(want.token_ids), want.text,
@@ -148,15 +152,15 @@ def test_abort_and_cancel_reach_the_worker_and_free_its_pages(cluster):
     assert eventually(lambda: pages_used() == 0)
 
 
-def test_a_killed_worker_is_taken_out_and_requests_keep_succeeding(cluster):
+def test_a_stopped_worker_is_taken_out_and_requests_keep_succeeding(cluster):
     client, (a, b) = cluster["client"], cluster["addresses"]
     victim = cluster["workers"][1]
-    # A session on the victim, mid-stream when it dies: an explicit UNAVAILABLE, not a hang.
+    # A session on the victim, mid-stream when it stops: an explicit UNAVAILABLE, not a hang.
     session = next(s for s in (f"s{i}" for i in range(200)) if _replica(client, [5, 6], max_tokens=1,
                                                                         session_id=s)[1].endswith(f":{b.split(':')[1]}"))
     it = client.generate_stream(IDS_A, max_tokens=200, ignore_eos=True, session_id=session, timeout=30)
     assert [next(it).WhichOneof("event") for _ in range(2)] == ["start", "delta"]
-    victim.proc.kill()
+    victim.stop(0)
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
         list(it)
@@ -175,3 +179,17 @@ def test_the_router_drains_and_exits_0_on_sigterm(cluster):
     router.proc.send_signal(signal.SIGTERM)
     assert router.wait(timeout=15) == 0
     assert "jaxserve: stopped" in router.output and "Traceback" not in router.output
+
+
+def test_a_real_models_tokens_come_through_the_router(served, cases):
+    """The router in front of the tiny model's server: the Python API's tokens, unary and streamed."""
+    from jaxserve.router.app import RouterThread
+
+    with RouterThread([(served.target, "both")], health_interval_s=0.1, health_timeout_s=2.0) as rt, \
+            Client(rt.target, timeout=60) as client:
+        for name in ("ids_greedy", "text_greedy", "sampled", "multi_turn"):
+            prompt, kw, want = cases[name]
+            r = client.generate(prompt, **kw)
+            assert (list(r.token_ids), r.text, finish_reason(r)) == (list(want), want.text, want.finish_reason), name
+            streamed = list(client.generate_stream(prompt, **kw))
+            assert [t for e in streamed if e.WhichOneof("event") == "delta" for t in e.delta.token_ids] == list(want)
