@@ -33,7 +33,7 @@ def main():
     from jaxserve.kv.page_tracker import NoOpTracker, PageTracker
     from jaxserve.kv.formats import get_kv_format
     from jaxserve.loader import load_model
-    from jaxserve.runner import ModelRunner
+    from jaxserve.executor.runner import ModelRunner
 
     if args.model is None:
         from jaxserve.checkpoint.gguf import default_model_dir

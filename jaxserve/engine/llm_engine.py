@@ -30,7 +30,7 @@ from jaxserve.engine.input_batch import InputBatch
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import Completion, EngineSnapshot, RequestFailed, RequestOutput, StepRecord
 from jaxserve.engine.sampler import RowError, sample_sequences
-from jaxserve.engine.warmup import step_bucket, warm_engine
+from jaxserve.engine.warming import step_bucket, warm_engine
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.kv_handoff import KvHandoffMixin
@@ -38,10 +38,11 @@ from jaxserve.engine.sequence import KvImport, Sequence, check_prompt
 from jaxserve.kv import memory as kv_memory
 from jaxserve.models.attention_backends import default_backend
 from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, TrackerStats, integrity_errors
-from jaxserve.program_cache import ProgramCache
+from jaxserve.executor.program_cache import ProgramCache
 from jaxserve.structured.constraints import Constraints
-from jaxserve.programs import ProgramSet
-from jaxserve.runner import ModelRunner, bucket, pick_bucket, step_name, token_buckets
+from jaxserve.executor.programs import ProgramSet
+from jaxserve.executor.buckets import bucket, pick_bucket, step_name, token_buckets
+from jaxserve.executor.runner import ModelRunner
 from jaxserve.engine.speculative.setup import make_speculative
 
 log = logging.getLogger("jaxserve.engine")
@@ -348,7 +349,7 @@ class LLMEngine(KvHandoffMixin):
     # ------------------------------------------------------------------ warm-up
     def warmup(self, progress: Callable[[int, int], None] | None = None,
                on_serviceable: Callable[[], None] | None = None) -> None:
-        """Build every serving program the configuration can use (``jaxserve.engine.warmup``),
+        """Build every serving program the configuration can use (``jaxserve.engine.warming``),
         from the program cache when it holds them, and a worker role's KV handoff programs;
         ``progress(done, total)`` follows them. With ``on_serviceable`` (serving while warming,
         from another thread than ``step``'s) the guard is on from the start and it is called
@@ -358,7 +359,7 @@ class LLMEngine(KvHandoffMixin):
     def mark_warm(self) -> None:
         """Count every later compilation of a serving program (after a warm-up of one's own
         that compiled only the shapes a run needs; ``warmup()`` marks it itself)."""
-        self.runner.warm = True
+        self.runner.mark_warm()
 
     def run_until_done(self) -> None:
         """Step until every request has finished (their outputs are dropped)."""

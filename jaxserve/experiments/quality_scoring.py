@@ -44,7 +44,7 @@ class Scorer:
         self.llm, self.batch, self.chunk = llm, batch, chunk
         s = llm.page_size
         self.per_doc = -(-n_tokens // s)
-        from jaxserve.runner import bucket
+        from jaxserve.executor.buckets import bucket
 
         self.table = np.zeros((batch, bucket(self.per_doc)), np.int32)
         for i in range(batch):

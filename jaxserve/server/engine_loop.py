@@ -36,7 +36,7 @@ import time
 from typing import Callable
 
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.engine.warmup import warm_in_background
+from jaxserve.engine.warming import warm_in_background
 from jaxserve.server import errors
 
 log = logging.getLogger("jaxserve.server")

@@ -6,7 +6,8 @@ import pytest
 from jaxserve import LLM
 from jaxserve.bench.measure import CompileWatch
 from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.runner import RecompilationError, pick_bucket, token_buckets
+from jaxserve.executor.buckets import pick_bucket, token_buckets
+from jaxserve.executor.guard import RecompilationError
 
 RNG = np.random.RandomState(11)
 PROMPTS = [[int(x) for x in RNG.randint(2, 256, size=n)] for n in (5, 23, 12, 40, 9, 31)]

@@ -26,7 +26,7 @@ def decode_logits(runner, phase_leaves=None):
     runner.run(np.array([PROMPT[:-1]], np.int32), [0], [len(PROMPT) - 1], table[:, :4])
     if phase_leaves is not None:
         runner.phase_params["decode"] = phase_leaves
-    fn = runner._program("decode")
+    fn = runner.step_programs.checked("decode")
     from jaxserve.models.step import StepInput
 
     inp = StepInput(jnp.array([[PROMPT[-1]]], jnp.int32), jnp.array([len(PROMPT) - 1]), jnp.array([1]), jnp.asarray(table))

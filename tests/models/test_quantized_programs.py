@@ -46,9 +46,7 @@ def reference_for(ckpt, quantized, phase):
     """An LLM whose `phase` program reads the numpy-decoded dense copy of `quantized`'s weights."""
     ref = LLM(ckpt, **{**KW, "quantize_tied_head": False})
     dense = dense_leaves(*quantized.runner.phase_params[phase])
-    ref.runner.phase_params[phase] = dense
-    if phase == "prefill":
-        ref.runner.params, ref.runner.treedef = dense
+    ref.runner.phase_params[phase] = dense  # (the unchecked forward reads the prefill entry too)
     return ref
 
 

@@ -27,7 +27,7 @@ from typing import Callable
 import jax
 from jax import monitoring
 
-from jaxserve.program_cache import ProgramCache, program_key, runtime_parts
+from jaxserve.executor.program_cache import ProgramCache, program_key, runtime_parts
 
 log = logging.getLogger("jaxserve.programs")
 
