@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.input_batch import InputBatch
+from jaxserve.engine.input_batch import build_batch
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import Completion, EngineSnapshot, RequestFailed, RequestOutput, StepRecord
 from jaxserve.engine.sampler import RowError, sample_sequences
@@ -249,11 +249,10 @@ class LLMEngine(KvHandoffMixin):
 
     def _run(self, phase, rows, b, t, all_logits: bool = False):
         """rows: (seq, new token ids, start position) -> the checked program; aborts failing rows."""
-        batch = InputBatch.build([(toks, start, seq.pages, seq.expected) for seq, toks, start in rows], b, t,
-                                 self.runner.max_pages_per_seq, self.config.page_size)
+        batch = build_batch(phase, [(toks, start, seq.pages, seq.expected) for seq, toks, start in rows], b, t,
+                            self.runner.max_pages_per_seq, self.config.page_size, all_logits)
         t0 = time.perf_counter()
-        res = self.runner.step(phase, batch.tokens, batch.cached_lens, batch.new_lens, batch.page_table,
-                               batch.expected, batch.pages_used, all_logits=all_logits)
+        res = self.runner.step(batch)
         if self._observers:
             rec = StepRecord(phase, len(rows), int(batch.new_lens.sum()), b, t, len(self.scheduler.running),
                              time.perf_counter() - t0)

@@ -41,8 +41,10 @@ from jaxserve.kv.formats import KVFormat
 from jaxserve.kv.page_tracker import NoOpTracker, PageTracker
 from jaxserve.models.attention_backends import get_backend
 from jaxserve.models.step import StepInput
+from jaxserve.multihost.channel import pack
 from jaxserve.quant.linear import resolve_backend
 from jaxserve.sharding import MODEL_AXIS, Mesh, NamedSharding, PartitionSpec, replicated
+from jaxserve.step_batch import StepBatch
 
 BATCH_INVARIANT_ROWS = 8  # rows per matmul tile in batch-invariant mode (a row's numbers never see the batch)
 
@@ -227,29 +229,24 @@ class ModelRunner:
         fn = built or self.step_programs.updates()
         self.state.generation = fn(self.state.generation, jnp.asarray(pages), jnp.asarray(counts))
 
-    def step(self, phase: str, tokens, cached_lens, new_lens, page_table, expected, num_pages_used,
-             all_logits: bool = False) -> StepResult:
-        """Run the checked `phase` program on padded numpy inputs; updates the KV pools. With
-        ``all_logits`` (scoring, never while serving) the logits are [B, T, V] and its
-        compilations are not serving compilations; "verify" (a serving program) returns
-        [B, T, V] too."""
+    def step(self, batch: StepBatch) -> StepResult:
+        """Run the checked ``batch.phase`` program on one padded batch (numpy or jax arrays);
+        updates the KV pools. With ``batch.all_logits`` (scoring, never while serving) the logits
+        are [B, T, V] and its compilations are not serving compilations; "verify" (a serving
+        program) returns [B, T, V] too."""
         if self.mirror.on:
-            host = tuple(np.asarray(x, np.int32) for x in (tokens, cached_lens, new_lens, page_table, expected,
-                                                           num_pages_used))
-            self.mirror("step", host, {"phase": phase, "all_logits": all_logits})
-        params = self._weights_of(phase)
-        inp = StepInput(*(jnp.asarray(x, jnp.int32) for x in (tokens, cached_lens, new_lens, page_table)))
-        args = (params, self.state.kv, self.state.generation, inp,
-                jnp.asarray(expected, jnp.int32), jnp.asarray(num_pages_used, jnp.int32))
-        b, t = inp.tokens.shape
-        built = None if all_logits else self._built(step_name(phase, b, t), lambda: self.step_spec(phase, b, t))
+            self.mirror("step", *pack(batch))
+        phase, (b, t) = batch.phase, batch.shape
+        args = (self._weights_of(phase), self.state.kv, self.state.generation, batch.on_device())
+        name = step_name(phase, b, t)
+        built = None if batch.all_logits else self._built(name, lambda: self.step_spec(phase, b, t))
         if built is not None:  # compiled ahead of time: a call with other shapes raises, never compiles
             logits, self.state.kv, ok, cause = built(*args)
             return StepResult(self._local(logits), np.asarray(ok), np.asarray(cause))
-        fn = self.step_programs.checked(phase, all_logits)
+        fn = self.step_programs.checked(phase, batch.all_logits)
         before = fn._cache_size()
         logits, self.state.kv, ok, cause = fn(*args)
-        if self.guard.warm and not all_logits and fn._cache_size() != before:
+        if self.guard.warm and not batch.all_logits and fn._cache_size() != before:
             self.guard.recompiled(f"{phase} program compiled after warm-up for shape tokens={(b, t)}")
         return StepResult(self._local(logits), np.asarray(ok), np.asarray(cause))
 

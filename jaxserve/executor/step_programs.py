@@ -19,6 +19,7 @@ from jaxserve.executor.programs import ProgramSpec
 from jaxserve.models.step import StepInput
 from jaxserve.quant.linear import fixed_row_tiles, use_backend
 from jaxserve.sharding import kernel_mesh, replicated
+from jaxserve.step_batch import StepBatch
 
 
 class StepPrograms:
@@ -53,14 +54,14 @@ class StepPrograms:
             forward, tracker = self.model_fn(all_logits or name == "verify", weights_phase(name)), self.tracker
             spans, mesh = self.spans_processes, self.mesh
 
-            def step(params, kv, generation, inp: StepInput, expected, num_pages_used):
+            def step(params, kv, generation, batch: StepBatch):
                 # The integrity check is its own batched op, before any attention read.
-                ok, cause = tracker.check(generation, inp.page_table, expected, num_pages_used)
+                ok, cause = tracker.check(generation, batch.page_table, batch.expected, batch.pages_used)
                 safe = StepInput(
-                    tokens=inp.tokens,
-                    cached_lens=jnp.where(ok, inp.cached_lens, 0),
-                    new_lens=jnp.where(ok, inp.new_lens, 0),  # a failing row writes nothing
-                    page_table=tracker.redirect(inp.page_table, ok),
+                    tokens=batch.tokens,
+                    cached_lens=jnp.where(ok, batch.cached_lens, 0),
+                    new_lens=jnp.where(ok, batch.new_lens, 0),  # a failing row writes nothing
+                    page_table=tracker.redirect(batch.page_table, ok),
                 )
                 logits, kv = forward(params, kv, safe)
                 if spans:  # every process holds all of them; process 0 reads its copy
@@ -89,10 +90,13 @@ class StepPrograms:
         """The checked step for one bucket; its inputs abstract (no array is made: each new
         shape of ``jnp.zeros`` would compile a program of its own), the committed ones with
         their placement."""
-        z, zm = _int32(b), _int32(b, self.max_pages_per_seq)
-        inp = StepInput(tokens=_int32(b, t), cached_lens=z, new_lens=z, page_table=zm)
         placed = jax.tree.map(_abstract, (params, kv, generation))
-        return ProgramSpec(step_name(phase, b, t), self.checked(phase), (*placed, inp, zm, z))
+        return ProgramSpec(step_name(phase, b, t), self.checked(phase), (*placed, self._abstract_batch(phase, b, t)))
+
+    def _abstract_batch(self, phase: str, b: int, t: int) -> StepBatch:
+        """A ``StepBatch`` of abstract int32 host inputs (uncommitted, no placement)."""
+        z, zm = _int32(b), _int32(b, self.max_pages_per_seq)
+        return StepBatch(_int32(b, t), z, z, zm, zm, z, phase=phase)
 
     def updates_spec(self, size: int, generation) -> ProgramSpec:
         z = _int32(size)
@@ -101,9 +105,8 @@ class StepPrograms:
     def lower(self, phase: str, batch: int, tokens: int, params, kv, generation, platform: str | None = None):
         """The serving program ``phase`` lowered for one bucket (abstract inputs: nothing runs)."""
         abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731 (no placement: any platform)
-        b, m = _int32(batch), _int32(batch, self.max_pages_per_seq)
-        inp = StepInput(tokens=_int32(batch, tokens), cached_lens=b, new_lens=b, page_table=m)
-        traced = self.checked(phase).trace(*jax.tree.map(abstract, (params, kv, generation)), inp, m, b)
+        inp = self._abstract_batch(phase, batch, tokens)
+        traced = self.checked(phase).trace(*jax.tree.map(abstract, (params, kv, generation)), inp)
         return traced.lower(lowering_platforms=(platform,)) if platform else traced.lower()
 
 

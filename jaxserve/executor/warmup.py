@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxserve.executor.buckets import pow2_buckets, step_name
 from jaxserve.executor.programs import ProgramSpec
+from jaxserve.step_batch import StepBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +120,7 @@ def _warm_jit(runner, plan: WarmupPlan) -> None:
     verify = [(b, plan.verify_tokens) for b in decode if plan.verify_tokens]
     for phase, shapes in (("decode", [(b, 1) for b in decode]), ("prefill", plan.prefill), ("verify", verify)):
         for b, t in shapes:
-            z = np.zeros((b,), np.int32)
-            runner.step(phase, np.zeros((b, t), np.int32), z, z, np.zeros((b, m), np.int32),
-                        np.zeros((b, m), np.int32), z)
+            runner.step(StepBatch.zeros(phase, b, t, m))
     for size in runner.update_sizes():
         z = np.zeros((size,), np.int32)
         runner.apply_padded_updates(z, z)

@@ -10,6 +10,7 @@ import pytest
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.sequence import KvHandoffError, KvImport
 from jaxserve.kv.handoff import digest_hex
+from jaxserve.step_batch import StepBatch
 
 ENGINE = dict(num_pages=40, page_size=4, max_num_seqs=4, max_prefill_seqs=2, prefill_chunk=16,
               max_num_batched_tokens=32, max_model_len=64)
@@ -59,8 +60,7 @@ def test_roles_hold_one_phase(engines):
     with pytest.raises(ValueError, match="prefill worker"):
         p.add_request(PROMPT, PARAMS[0], "plain")  # a prefill worker does not decode
     with pytest.raises(RuntimeError, match="no decode program"):
-        p.runner.step("decode", *([np.zeros((1, 1), np.int32)] + [np.zeros(1, np.int32)] * 2
-                                  + [np.zeros((1, p.runner.max_pages_per_seq), np.int32)] * 2 + [np.zeros(1, np.int32)]))
+        p.runner.step(StepBatch.zeros("decode", 1, 1, p.runner.max_pages_per_seq))
 
 
 @pytest.mark.parametrize("which", [0, 1])
