@@ -33,8 +33,9 @@ from jaxserve.engine.sampler import RowError, sample_sequences
 from jaxserve.engine.warming import step_bucket, warm_engine
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.engine.kv_handoff import KvHandoffMixin
-from jaxserve.engine.sequence import KvImport, Sequence, check_prompt
+from jaxserve.disagg.engine_part import KvHandoff
+from jaxserve.disagg.handoff_request import KvImport
+from jaxserve.engine.sequence import Sequence, check_prompt
 from jaxserve.kv import memory as kv_memory
 from jaxserve.models.attention_backends import default_backend
 from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, TrackerStats, integrity_errors
@@ -48,7 +49,7 @@ from jaxserve.engine.speculative.setup import make_speculative
 log = logging.getLogger("jaxserve.engine")
 
 
-class LLMEngine(KvHandoffMixin):
+class LLMEngine:
     def __init__(self, model, config: EngineConfig, fmt, tokenizer=None, mesh=None):
         page_bytes = kv_memory.format_token_bytes(fmt, *kv_memory.model_token_layout(model, fmt)) * config.page_size
         budget = kv_memory.kv_budget(config.kv_cache_memory, config.memory_fraction)
@@ -91,6 +92,9 @@ class LLMEngine(KvHandoffMixin):
         cache = None if config.program_cache in (None, "off") else ProgramCache(config.program_cache)
         self.programs = ProgramSet(cache, self.runner.key_parts(), config.compile_workers or os.cpu_count() or 1)
         self.runner.use_programs(self.programs)
+        # The KV handoff (disaggregated serving: jaxserve.disagg), and the worker role it checks.
+        self.kv_handoff = KvHandoff(self.runner, config, self.cfg.vocab_size, self.cfg.architecture, self.bm,
+                                    self.scheduler, self.outputs, self.constraints, self._finish)
         self.spec = make_speculative(config, self.cfg.vocab_size, self.max_model_len, self.bm)
         if self.spec is not None:  # its auto-off weighs acceptance against the calls' measured cost
             self.add_step_observer(self.spec.observe)
@@ -141,14 +145,12 @@ class LLMEngine(KvHandoffMixin):
         with ``kv_import`` its prompt's pages come from another engine (mapped under this
         engine's own page ids at admission, digest checked on device) and it continues from
         the first token that engine sampled."""
-        if self.config.role == "prefill" and export_kv is None:
-            raise ValueError("a prefill worker only prefills for a KV handoff (export_kv)")
+        self.kv_handoff.check_request(export_kv)
         if export_kv is not None:
-            self.runner.handoff.layout(export_kv)  # ValueError for an unknown format
             params = dataclasses.replace(params, max_tokens=1)
         ids = check_prompt(prompt_ids, params.max_tokens, self.cfg.vocab_size, self.max_model_len, self.pool_tokens)
         if kv_import is not None:
-            self._check_import(kv_import, ids)
+            self.kv_handoff.check_import(kv_import, ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         old = self.outputs.get(rid)
         if old is not None and not old.finished:
@@ -198,7 +200,7 @@ class LLMEngine(KvHandoffMixin):
         self.runner.apply_generation_updates(*self.bm.take_generation_updates())
         events: dict[str, list[int]] = {}  # request id -> token ids sampled this step
         for seq in sched.imported:
-            self._map_imported(seq, events)
+            self.kv_handoff.map_imported(seq, events)
         if sched.prefill:
             chunks = [c for c in sched.prefill if not c.seq.finished]
             rows = [(c.seq, c.seq.all_ids[c.start : c.start + c.num_tokens], c.start) for c in chunks]
@@ -336,11 +338,7 @@ class LLMEngine(KvHandoffMixin):
     def _finish(self, s: Sequence, reason: str, error: Exception | None = None) -> None:
         if s.finished:
             return
-        if s.export_kv is not None and reason in ("stop", "length") and s.output_ids:
-            # The prompt's pages (its KV is complete: the first token was sampled from it),
-            # gathered before the pages are released.
-            s.kv_export = self.runner.export_pages(s.pages[: self.bm.pages_for(len(s.prompt_ids))], s.export_kv)
-            s.kv_export.token_ids = list(s.prompt_ids)
+        self.kv_handoff.export(s, reason)  # a prefill for a handoff: the prompt's pages, before they are released
         self.scheduler.finish(s, reason, error)
         self.outputs.finished(s, reason)
         self._just_finished.append(s)
@@ -354,6 +352,14 @@ class LLMEngine(KvHandoffMixin):
         from another thread than ``step``'s) the guard is on from the start and it is called
         once any batch can run (padded)."""
         warm_engine(self, progress, on_serviceable)
+
+    def kv_layout(self, fmt: str | None = None) -> str:
+        """This engine's KV layout signature (in ``fmt``; default its pool's format)."""
+        return self.kv_handoff.layout(fmt)
+
+    def handoff_fingerprint(self) -> str:
+        """The weights-and-formats fingerprint a prefill and a decode worker compare ('' for "both")."""
+        return self.kv_handoff.fingerprint()
 
     def mark_warm(self) -> None:
         """Count every later compilation of a serving program (after a warm-up of one's own

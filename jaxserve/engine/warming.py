@@ -34,12 +34,11 @@ def warmup_plan(engine) -> WarmupPlan:
     """What ``engine`` (an LLMEngine) needs built: its buckets, and a worker role's KV handoff
     programs (export on a prefill worker, to its own format and the handoff format; import on a
     decode one)."""
-    config = engine.config
+    config, handoff = engine.config, engine.kv_handoff
     decode, prefill = serving_buckets(config, engine.prefill_token_buckets)
-    exports = sorted({engine.runner.fmt.name, config.kv_handoff_format or "fp8_e4m3"}) if config.role == "prefill" \
-        else []
+    exports = handoff.role.export_formats(handoff.kv_format, config.kv_handoff_format)
     return WarmupPlan(decode, prefill, engine.spec.verify_tokens if engine.spec is not None else 0,
-                      tuple(exports), config.role == "decode")
+                      tuple(exports), handoff.role.imports)
 
 
 def warm_engine(engine, progress: Callable[[int, int], None] | None = None,

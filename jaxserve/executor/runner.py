@@ -32,7 +32,8 @@ from flax import nnx
 
 from jaxserve.executor.buckets import bucket, pad_updates, step_name, update_sizes, weights_phase
 from jaxserve.executor.guard import CompileGuard, RecompilationError  # noqa: F401 (the guard's error, here too)
-from jaxserve.executor.handoff_programs import HandoffCalls, HandoffPrograms, weights_digest
+from jaxserve.disagg.role import WorkerRole
+from jaxserve.disagg.programs import HandoffCalls, HandoffPrograms, weights_digest
 from jaxserve.executor.programs import ProgramSet
 from jaxserve.executor.state import DeviceState, Mirror
 from jaxserve.executor.step_programs import StepPrograms
@@ -66,8 +67,7 @@ class ModelRunner:
         """role: "both"; "prefill" (only the prefill weights are built: no decode program);
         "decode" (prefill reads the decode copy: one resident copy). A prefill or decode role
         also hashes the weights as loaded (``source_digest``), for the handoff fingerprint."""
-        if role not in ("both", "prefill", "decode"):
-            raise ValueError(f"role must be both, prefill or decode, got {role!r}")
+        role = WorkerRole(role).name  # ValueError for an unknown role
         self.role, self.cfg, self.fmt, self.dtype = role, model.cfg, fmt, model.dtype
         self.num_pages, self.page_size, self.mesh = num_pages, page_size, mesh
         self.tracker = tracker if tracker is not None else PageTracker()

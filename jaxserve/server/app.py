@@ -25,7 +25,7 @@ from jaxserve.server.http_server import HttpServer, HttpTls
 from jaxserve.server.limits import ServeLimits
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.service import JaxServeService
-from jaxserve.server.handoff_service import KvHandoffService
+from jaxserve.disagg.service import KvHandoffService
 from jaxserve.v1 import handoff_pb2 as hpb
 from jaxserve.v1 import handoff_pb2_grpc as hpb_grpc
 from jaxserve.v1 import jaxserve_pb2 as pb

@@ -60,7 +60,7 @@ class ServerMetrics:
                                      registry=r)
         self.serving = Gauge("jaxserve_serving", "1 when warmed up and accepting requests", registry=r)
         self._model_metrics(r)
-        # KV handoff (prefill and decode workers, jaxserve.server.handoff_service).
+        # KV handoff (prefill and decode workers, jaxserve.disagg.service).
         self.handoff_offers = Counter("jaxserve_kv_handoff_offers", "KV offers made (prefill worker)", registry=r)
         self.handoff_open = Gauge("jaxserve_kv_handoff_open_offers", "KV offers awaiting a pull or release", registry=r)
         self.handoff_expired = Counter("jaxserve_kv_handoff_expired", "KV offers drained unpulled at expiry",

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.engine.sequence import KvHandoffError, KvImport
+from jaxserve.disagg.handoff_request import KvHandoffError, KvImport
 from jaxserve.kv.handoff import digest_hex
 from jaxserve.step_batch import StepBatch
 
