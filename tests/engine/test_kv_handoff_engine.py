@@ -4,7 +4,6 @@ them under its own page ids with fresh generations and continues; tokens equal a
 engine's. Roles hold one phase's weights; the handoff fingerprint tells weights apart."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from jaxserve.engine.sampling_params import SamplingParams
