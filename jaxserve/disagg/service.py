@@ -38,6 +38,7 @@ from jaxserve.kv import handoff
 from jaxserve.server import errors
 from jaxserve.server.auth import PeerCredentials, forwarded
 from jaxserve.server.errors import ServeError
+from jaxserve.server.events import Delta
 from jaxserve.v1 import handoff_pb2 as hpb
 from jaxserve.v1 import handoff_pb2_grpc as hpb_grpc
 from jaxserve.v1 import jaxserve_pb2 as pb
@@ -105,10 +106,10 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
             stream = await self.jax.open_stream(req, context, dict(export_kv=fmt))
             first, ev = [], None
             async for ev in stream.events():
-                if ev[0] == "delta":
-                    first += ev[1]
+                if isinstance(ev, Delta):
+                    first += ev.token_ids
             _, usage, _, _ = self.jax.terminal(ev)
-            payload = ev[6]
+            payload = ev.kv_export
             if payload is None or not first:
                 raise ServeError(grpc.StatusCode.ABORTED, "the request ended before its first token")
             offer = await self._offer(req, stream, payload, first, usage.cached_tokens, fmt,
