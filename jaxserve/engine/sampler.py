@@ -25,6 +25,7 @@ the sort runs only then).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import jax
@@ -168,13 +169,14 @@ def sampler_spec(logits_sharding, rows: int, n: int, vocab_size: int, greedy: bo
 
 class SamplerPrograms:
     """The plain samplers warm-up builds (``jaxserve.executor.warmup.Samplers``): a spec for
-    the ahead-of-time path, one call on zeros for the jit path."""
+    the ahead-of-time path, whose ``warm`` (the jit path's build) is one call on zeros."""
 
     def __init__(self, vocab_size: int, per_row: bool = False):
         self.vocab_size, self.per_row = vocab_size, per_row
 
     def spec(self, logits_sharding, rows: int, n: int, greedy: bool) -> ProgramSpec:
-        return sampler_spec(logits_sharding, rows, n, self.vocab_size, greedy, self.per_row)
+        spec = sampler_spec(logits_sharding, rows, n, self.vocab_size, greedy, self.per_row)
+        return dataclasses.replace(spec, warm=lambda: self.run(rows, n, greedy))
 
     def run(self, rows: int, n: int, greedy: bool) -> None:
         f32, i32 = np.zeros(n, np.float32), np.zeros(n, np.int32)

@@ -14,11 +14,11 @@ counted, and raises ``RecompilationError`` when ``strict``), ``DeviceState`` (po
 generations), ``Mirror`` and ``HandoffCalls`` (the KV handoff's export and import). Parameters
 are passed as the flat leaves of the NNX state (cheaper to dispatch than an ``nnx.State``).
 
-Where its programs come from: a ``ProgramSet`` (``use_programs``; built ahead of time, maybe
-from the program cache on disk: ``jaxserve.executor.programs``), or, for a mesh over several
-processes, the jit path. Over several processes every process makes the same device calls in
-the same order: process 0 sets a mirror (``set_mirror``) that sends each call's host inputs to
-the others first; they replay it (``step`` / ``apply_padded_updates``). The logits come back
+Where its programs come from (``source``, ``jaxserve.executor.sources``): ``AheadOfTime``, a
+``ProgramSet`` (``use_programs``; maybe from the program cache on disk), or ``JitPath`` for a mesh
+over several processes. Over several processes every process makes the same device calls in the
+same order: process 0 sets a mirror (``set_mirror``) that sends each call's host inputs to the
+others first; they replay it (``step`` / ``apply_padded_updates``). The logits come back
 replicated, and ``step`` returns process 0's local copy, so sampling runs on process 0 alone.
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ from jaxserve.executor.guard import CompileGuard, RecompilationError  # noqa: F4
 from jaxserve.disagg.role import WorkerRole
 from jaxserve.disagg.programs import HandoffCalls, HandoffPrograms, weights_digest
 from jaxserve.executor.programs import ProgramSet
+from jaxserve.executor.sources import AheadOfTime, JitPath
 from jaxserve.executor.state import DeviceState, Mirror
 from jaxserve.executor.step_programs import StepPrograms
 from jaxserve.executor.weights import PhaseWeights
@@ -94,9 +95,10 @@ class ModelRunner:
         self.handoff = HandoffPrograms(model.init_kv, self.cfg.architecture, fmt, page_size, self.max_pages_per_seq,
                                        mesh, self.spans_processes)
         self.handoff_calls = HandoffCalls(self.handoff, self.state, self.guard, self.mirror, num_pages)
-        self.programs: ProgramSet | None = None  # where serving programs are built ahead of time (use_programs)
+        self.source: AheadOfTime | JitPath = JitPath()  # where serving programs come from (use_programs)
 
     # ------------------------------------------------------------------ parts, as attributes
+    programs = property(lambda self: self.source.programs)  # the ProgramSet (None on the jit path)
     phase_params = property(lambda self: self.weights.phase_params)  # phase -> (weight leaves, treedef)
     weight_formats = property(lambda self: self.weights.formats)
     params = property(lambda self: self.weights.phase_params["prefill"][0])
@@ -154,17 +156,9 @@ class ModelRunner:
         """Build serving programs into ``programs`` (a ProgramSet, maybe with a disk cache): each
         on first use until warm (warm-up builds them all: ``jaxserve.executor.warmup``).
         Refused (False; the jit path stays) when the mesh spans processes."""
-        self.programs = None if self.spans_processes else programs
-        return self.programs is not None
-
-    def _built(self, name: str, spec):
-        """The built program ``name``; before warm-up a missing one is built now, after it None
-        (the jit path, whose compilation the guard counts). None without a ProgramSet."""
-        if self.programs is None:
-            return None
-        if name not in self.programs and not self.guard.warm:
-            self.programs.build([spec()])
-        return self.programs.get(name)
+        ahead = programs is not None and not self.spans_processes
+        self.source = AheadOfTime(programs, self.guard) if ahead else JitPath()
+        return ahead
 
     def key_parts(self) -> dict:
         """What shapes every serving program besides its bucket and inputs (the program cache
@@ -196,10 +190,13 @@ class ModelRunner:
 
     def step_spec(self, phase: str, b: int, t: int):
         """The ``ProgramSpec`` of the checked ``phase`` step for one bucket (b rows x t tokens)."""
-        return self.step_programs.step_spec(phase, b, t, self._weights_of(phase), self.state.kv, self.state.generation)
+        spec = self.step_programs.step_spec(phase, b, t, self._weights_of(phase), self.state.kv, self.state.generation)
+        return dataclasses.replace(spec, warm=lambda: self.step(StepBatch.zeros(phase, b, t, self.max_pages_per_seq)))
 
     def updates_spec(self, size: int):
-        return self.step_programs.updates_spec(size, self.state.generation)
+        z = np.zeros((size,), np.int32)  # count 0: a no-op
+        return dataclasses.replace(self.step_programs.updates_spec(size, self.state.generation),
+                                   warm=lambda: self.apply_padded_updates(z, z))
 
     def lower(self, phase: str, batch: int, tokens: int = 1, platform: str | None = None):
         """The serving program ``phase`` lowered for one bucket (batch rows x new tokens), for
@@ -225,7 +222,7 @@ class ModelRunner:
     def apply_padded_updates(self, pages: np.ndarray, counts: np.ndarray) -> None:
         """The generation update on padded int32 [n] pages / counts (n a bucket: ``pad_updates``)."""
         self.mirror("updates", (pages, counts), {})
-        built = self._built(f"updates/{len(pages)}", lambda: self.updates_spec(len(pages)))
+        built = self.source.lookup(f"updates/{len(pages)}", lambda: self.updates_spec(len(pages)))
         fn = built or self.step_programs.updates()
         self.state.generation = fn(self.state.generation, jnp.asarray(pages), jnp.asarray(counts))
 
@@ -239,7 +236,7 @@ class ModelRunner:
         phase, (b, t) = batch.phase, batch.shape
         args = (self._weights_of(phase), self.state.kv, self.state.generation, batch.on_device())
         name = step_name(phase, b, t)
-        built = None if batch.all_logits else self._built(name, lambda: self.step_spec(phase, b, t))
+        built = None if batch.all_logits else self.source.lookup(name, lambda: self.step_spec(phase, b, t))
         if built is not None:  # compiled ahead of time: a call with other shapes raises, never compiles
             logits, self.state.kv, ok, cause = built(*args)
             return StepResult(self._local(logits), np.asarray(ok), np.asarray(cause))

@@ -1,32 +1,27 @@
 """Building every serving program of a ``WarmupPlan`` on the executor (the runner) at warm-up.
 
 A plan names the buckets a configuration can use (decode rows; prefill rows x tokens; the verify
-tokens of speculative decoding) and a worker role's KV handoff programs. With a ProgramSet
-(``runner.programs``) ``Warmup`` builds into it every checked step (largest bucket first), the
-generation updates, and the plain greedy and sampling variants of the sampler for each (logits
-rows, sampled rows) pair a step can meet (a call with fewer sampled rows pads up to a built one).
-With ``on_serviceable`` it builds first the programs that let any batch run (the largest decode
-and prefill buckets, the updates, the samplers of those row counts), calls it, and then builds
-the rest; meanwhile ``bucket_for`` gives each step the smallest *built* bucket that holds it (a
-batch padded further is slower, never compiled), so a server can answer requests while it warms.
-
-A runner without a ProgramSet (a mesh over several processes) warms through the jit path: each
-bucket's step and update called once on null inputs, every call mirrored to the followers, so
-every process compiles the same programs in the same order; the samplers at every row count.
-The KV handoff programs run on the pools, so they warm up before ``on_serviceable``. The sampler
-programs are the engine's (``Samplers``: their spec, or one jit call); the runner is marked warm
-at the end (with ``on_serviceable``, from the start: steps then pick built buckets).
+tokens of speculative decoding) and a worker role's KV handoff programs. ``Warmup`` builds them
+through the runner's program source (``jaxserve.executor.sources``: ahead of time into its
+ProgramSet, or on the jit path one mirrored call each): every checked step (largest bucket
+first), the generation updates, and the plain greedy and sampling variants of the sampler for
+each (logits rows, sampled rows) pair a step can meet (ahead of time a call with fewer sampled
+rows pads up to a built one; the jit path builds every smaller row count too). With
+``on_serviceable`` (ahead of time only) it builds first the programs that let any batch run (the
+largest decode and prefill buckets, the updates, the samplers of those row counts), calls it,
+and then builds the rest; meanwhile ``bucket_for`` gives each step the smallest *built* bucket
+that holds it (a batch padded further is slower, never compiled), so a server can answer
+requests while it warms. The KV handoff programs run on the pools, so they warm up before
+``on_serviceable``. The sampler programs are the engine's (``Samplers``); the runner is marked
+warm at the end (serving while warming: from the start, so steps pick built buckets).
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable, Protocol
 
-import numpy as np
-
 from jaxserve.executor.buckets import pow2_buckets, step_name
 from jaxserve.executor.programs import ProgramSpec
-from jaxserve.step_batch import StepBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,28 +34,28 @@ class WarmupPlan:
 
 
 class Samplers(Protocol):
-    """The sampler programs warm-up builds after the steps (``engine.sampler.SamplerPrograms``)."""
+    """The sampler programs warm-up builds after the steps (``engine.sampler.SamplerPrograms``):
+    a spec whose ``warm`` is one call on zeros (the jit path's build)."""
 
     def spec(self, logits_sharding, rows: int, n: int, greedy: bool) -> ProgramSpec: ...
 
-    def run(self, rows: int, n: int, greedy: bool) -> None: ...
-
 
 class Warmup:
-    """The ahead-of-time build of ``plan`` into ``runner.programs``."""
+    """The build of ``plan`` through ``runner.source``."""
 
     def __init__(self, runner, plan: WarmupPlan, samplers: Samplers):
-        self.runner, self.programs, self.samplers_of = runner, runner.programs, samplers
+        self.source, self.samplers_of = runner.source, samplers
         decode = plan.decode if "decode" in runner.phase_params else []  # a prefill worker: no decode program
         self.decode, self.prefill = decode, plan.prefill
         # Specs are made now, on the engine's thread, from the runner's current arrays.
         self.steps = runner.program_specs(decode, plan.prefill, plan.verify_tokens)
-        # A step samples at most the rows of its bucket: fewer (a prefill step's rows that complete
-        # a prompt, a decode row that failed its check) pad up to the built sampler for all of them
-        # (``sample_sequences``), so one sampler per row count: a smaller one would save
-        # microseconds per step and cost seconds of compile at start.
-        pairs = {(r, r) for r in decode} | {(r, r) for r, _ in plan.prefill}
-        self.samplers = [(r, n, greedy) for r, n in sorted(pairs) for greedy in (True, False)]
+        # A step samples at most the rows of its bucket: ahead of time fewer (a prefill step's rows
+        # that complete a prompt, a decode row that failed its check) pad up to the built sampler
+        # for all of them (``sample_sequences``), so one sampler per row count: a smaller one would
+        # save microseconds per step and cost seconds of compile at start.
+        rows = sorted(set(decode) | {r for r, _ in plan.prefill})
+        pairs = [(r, n) for r in rows for n in ([r] if self.source.pads else pow2_buckets(1, r))]
+        self.samplers = [(r, n, greedy) for r, n in pairs for greedy in (True, False)]
         self.total = len(self.steps) + len(self.samplers)
 
     def core(self) -> tuple[set[str], set[int]]:
@@ -72,23 +67,25 @@ class Warmup:
 
     def run(self, progress: Callable[[int, int], None] | None = None,
             on_serviceable: Callable[[], None] | None = None) -> None:
-        report = (lambda *_: progress(len(self.programs.names()), self.total)) if progress else None
+        source = self.source
+        report = (lambda *_: progress(source.built(), self.total)) if progress else None
         names, rows = self.core() if on_serviceable else (None, None)
         first = [s for s in self.steps if names is None or s.name in names]
-        self.programs.build(first, report)
+        source.build(first, report)
         # The sampler reads the logits where the step programs leave them (their sharding).
-        sharding = self.programs.get(first[0].name).output_shardings[0]
+        sharding = source.output_sharding(first[0].name)
         samplers = [self.samplers_of.spec(sharding, r, n, g) for r, n, g in self.samplers]
         if on_serviceable is not None:
-            self.programs.build([s for s, (r, _, _) in zip(samplers, self.samplers) if r in rows], report)
+            source.build([s for s, (r, _, _) in zip(samplers, self.samplers) if r in rows], report)
             on_serviceable()
-        self.programs.build([s for s in self.steps if s.name not in names] if names else [], report)
-        self.programs.build(samplers, report)
+        source.build([s for s in self.steps if s.name not in names] if names else [], report)
+        source.build(samplers, report)
 
 
 def warm(runner, plan: WarmupPlan, samplers: Samplers, progress: Callable[[int, int], None] | None = None,
          on_serviceable: Callable[[], None] | None = None) -> None:
     """Build every program of ``plan`` on ``runner``; see the module doc."""
+    early = on_serviceable is not None and runner.source.pads  # serve while the rest builds
 
     def handoff_then_serve():
         if plan.handoff_exports or plan.handoff_imports:
@@ -96,34 +93,12 @@ def warm(runner, plan: WarmupPlan, samplers: Samplers, progress: Callable[[int, 
         if on_serviceable is not None:
             on_serviceable()
 
-    if runner.programs is not None:
-        if on_serviceable is not None:  # the guard is on from the start: steps pick built buckets
-            runner.mark_warm()
-        Warmup(runner, plan, samplers).run(progress, handoff_then_serve if on_serviceable is not None else None)
-        if on_serviceable is None:
-            handoff_then_serve()
-    else:
-        _warm_jit(runner, plan)
-        for rows in sorted(set(plan.decode) | {b for b, _ in plan.prefill}):
-            for n in pow2_buckets(1, rows):
-                for greedy in (True, False):
-                    samplers.run(rows, n, greedy)
+    if early:  # the guard is on from the start: steps pick built buckets
+        runner.mark_warm()
+    Warmup(runner, plan, samplers).run(progress, handoff_then_serve if early else None)
+    if not early:
         handoff_then_serve()
     runner.mark_warm()
-
-
-def _warm_jit(runner, plan: WarmupPlan) -> None:
-    """Every serving bucket compiled through the jit path (page tables of padding rows all
-    null; a generation update of count 0 is a no-op), each call mirrored to the followers."""
-    m = runner.max_pages_per_seq
-    decode = plan.decode if "decode" in runner.phase_params else []
-    verify = [(b, plan.verify_tokens) for b in decode if plan.verify_tokens]
-    for phase, shapes in (("decode", [(b, 1) for b in decode]), ("prefill", plan.prefill), ("verify", verify)):
-        for b, t in shapes:
-            runner.step(StepBatch.zeros(phase, b, t, m))
-    for size in runner.update_sizes():
-        z = np.zeros((size,), np.int32)
-        runner.apply_padded_updates(z, z)
 
 
 def bucket_for(programs, phase: str, b: int, t: int, buckets: list[tuple[int, int]]) -> tuple[int, int]:
