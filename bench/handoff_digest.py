@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from flax import nnx
 from jaxserve.loader import load_model
-from jaxserve.handoff_programs import weights_digest
+from jaxserve.disagg.programs import weights_digest
 from jaxserve.checkpoint.gguf import default_model_dir
 
 

@@ -43,7 +43,7 @@ async def measure(addr, decode_engine, layouts, tokens_list, reps, vocab):
     import numpy as np
 
     from jaxserve.kv.handoff import parse_digest
-    from jaxserve.server.kv_transport import GrpcTransport, JaxTransferTransport
+    from jaxserve.disagg.transport import GrpcTransport, JaxTransferTransport
     from jaxserve.v1 import handoff_pb2 as hpb
     from jaxserve.v1 import handoff_pb2_grpc as hpb_grpc
     from jaxserve.v1 import jaxserve_pb2 as pb

@@ -33,7 +33,8 @@ def main():
     from jaxserve.kv.page_tracker import NoOpTracker, PageTracker
     from jaxserve.kv.formats import get_kv_format
     from jaxserve.loader import load_model
-    from jaxserve.runner import ModelRunner
+    from jaxserve.step_batch import StepBatch
+    from jaxserve.executor.runner import ModelRunner
 
     if args.model is None:
         from jaxserve.checkpoint.gguf import default_model_dir
@@ -71,7 +72,7 @@ def main():
 
         def run(name):
             t0 = time.perf_counter()
-            res = runners[name].step("decode", tokens, cached, new, table, expected, used)
+            res = runners[name].step(StepBatch(tokens, cached, new, table, expected, used, phase="decode"))
             res.logits.block_until_ready()
             assert res.ok[:b].all(), (name, res.cause)
             return time.perf_counter() - t0

@@ -17,7 +17,7 @@ import pytest
 
 from jaxserve.kv.formats import get_kv_format
 from jaxserve.models.llama import Llama, parse_config
-from jaxserve.runner import ModelRunner
+from jaxserve.executor.runner import ModelRunner
 
 SHAPE = re.compile(r"\b(f32|bf16|f16|s8|s32|u8)\[([\d,]+)\]")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from jaxserve.disagg.role import WorkerRole
 from jaxserve.engine.scheduler import SchedulerConfig
 from jaxserve.kv import memory as kv_memory
 
@@ -94,8 +95,7 @@ class EngineConfig:
         factory=lambda: os.environ.get("JAXSERVE_STRICT_COMPILES", "") == "1")
 
     def __post_init__(self):
-        if self.role not in ("both", "prefill", "decode"):
-            raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
+        WorkerRole(self.role)  # ValueError for an unknown role
         if self.kv_handoff_format is not None:
             from jaxserve.kv.formats import get_kv_format
 

@@ -10,15 +10,15 @@ Each step: the scheduler picks a prefill batch and a decode batch; the block man
 generation bumps are applied on device; the prefill program and then the decode program
 run (each checks every row's pages first); rows that fail the check are aborted with an
 ``IntegrityError`` and emit nothing; sampled tokens go to the output processor, which
-detokenizes, checks stop conditions and builds the outputs.
+detokenizes, checks stop conditions and builds the outputs. The engine holds its parts: the
+runner (``jaxserve.executor``), ``ModelCalls`` (each program call on one ``StepBatch``),
+``RowSampling`` (sampling and emitting each row's token), ``KvHandoff`` (``jaxserve.disagg``).
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import logging
-import os
-import time
 from typing import Callable
 
 import jax
@@ -26,28 +26,25 @@ import numpy as np
 
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.config import EngineConfig
-from jaxserve.engine.input_batch import InputBatch
+from jaxserve.engine.model_calls import ModelCalls, make_runner
 from jaxserve.engine.output_processor import OutputProcessor
-from jaxserve.engine.outputs import Completion, EngineSnapshot, RequestFailed, RequestOutput, StepRecord
-from jaxserve.engine.sampler import RowError, sample_sequences
-from jaxserve.engine.warmup import step_bucket, warm_engine
+from jaxserve.engine.outputs import Completion, EngineSnapshot, RequestOutput, StepRecord
+from jaxserve.engine.row_sampling import RowSampling
+from jaxserve.engine.warming import step_bucket, warm_engine
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.engine.kv_handoff import KvHandoffMixin
-from jaxserve.engine.sequence import KvImport, Sequence, check_prompt
+from jaxserve.disagg.engine_part import KvHandoff
+from jaxserve.disagg.handoff_request import KvImport
+from jaxserve.engine.sequence import Sequence, check_prompt
 from jaxserve.kv import memory as kv_memory
-from jaxserve.models.attention_backends import default_backend
-from jaxserve.kv.page_tracker import NoOpTracker, PageTracker, TrackerStats, integrity_errors
-from jaxserve.program_cache import ProgramCache
 from jaxserve.structured.constraints import Constraints
-from jaxserve.programs import ProgramSet
-from jaxserve.runner import ModelRunner, bucket, pick_bucket, step_name, token_buckets
+from jaxserve.executor.buckets import bucket, pick_bucket, step_name, token_buckets
 from jaxserve.engine.speculative.setup import make_speculative
 
 log = logging.getLogger("jaxserve.engine")
 
 
-class LLMEngine(KvHandoffMixin):
+class LLMEngine:
     def __init__(self, model, config: EngineConfig, fmt, tokenizer=None, mesh=None):
         page_bytes = kv_memory.format_token_bytes(fmt, *kv_memory.model_token_layout(model, fmt)) * config.page_size
         budget = kv_memory.kv_budget(config.kv_cache_memory, config.memory_fraction)
@@ -61,20 +58,9 @@ class LLMEngine(KvHandoffMixin):
         self.max_model_len = min(config.max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
         self.bm = BlockManager(config.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.bm)
-        tracker = PageTracker() if config.integrity_check else NoOpTracker()
-        self.runner = ModelRunner(
-            model, fmt, config.num_pages, config.page_size, mesh, tracker,
-            max_pages_per_seq=-(-self.max_model_len // config.page_size),
-            prefill_weights=config.prefill_weights, decode_weights=config.decode_weights,
-            attention_backend=config.attention_backend or default_backend(),
-            matmul_backend=config.matmul_backend, quantize_tied_head=config.quantize_tied_head,
-            prefill_from_decode_weights=config.prefill_from_decode_weights, strict=config.strict_compiles,
-            batch_invariant=config.batch_invariant,
-            role=config.role,
-        )
+        self.runner, self.programs = make_runner(model, config, fmt, mesh, self.max_model_len)
         # Prefill programs: rows in powers of two, tokens in token_buckets (compiled at warm-up).
         self.prefill_token_buckets = token_buckets(16, min(config.prefill_chunk, config.max_num_batched_tokens))
-        self.stats = TrackerStats()
         eos = set(self.cfg.eos_token_id) | set(tokenizer.eos_token_ids if tokenizer is not None else [])
         self.eos_token_ids = frozenset(eos)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len, config.keep_finished)
@@ -84,12 +70,15 @@ class LLMEngine(KvHandoffMixin):
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
         self._just_finished: list[Sequence] = []
-        self._observers: list[Callable[[StepRecord], None]] = []
-        # Every serving program is built ahead of time into this set (from the program cache on
-        # disk when it holds it): all at warm-up, or each on first use before it.
-        cache = None if config.program_cache in (None, "off") else ProgramCache(config.program_cache)
-        self.programs = ProgramSet(cache, self.runner.key_parts(), config.compile_workers or os.cpu_count() or 1)
-        self.runner.use_programs(self.programs)
+        # The step's parts: the program calls (integrity counters, observers) and the sampling after them.
+        self.calls = ModelCalls(self.runner, config.page_size, lambda: len(self.scheduler.running),
+                                lambda rid, err: self._finish(self.outputs.get(rid), "abort", err))
+        self.stats = self.calls.stats
+        self.rows = RowSampling(self.runner, self.cfg.vocab_size, config.batch_invariant, self.outputs,
+                                self.constraints, self._finish)
+        # The KV handoff (disaggregated serving: jaxserve.disagg), and the worker role it checks.
+        self.kv_handoff = KvHandoff(self.runner, config, self.cfg.vocab_size, self.cfg.architecture, self.bm,
+                                    self.scheduler, self.outputs, self.constraints, self._finish)
         self.spec = make_speculative(config, self.cfg.vocab_size, self.max_model_len, self.bm)
         if self.spec is not None:  # its auto-off weighs acceptance against the calls' measured cost
             self.add_step_observer(self.spec.observe)
@@ -125,8 +114,8 @@ class LLMEngine(KvHandoffMixin):
 
     def add_step_observer(self, fn: Callable[[StepRecord], None]) -> Callable[[], None]:
         """Call ``fn(StepRecord)`` after every program call; returns a function that removes it."""
-        self._observers.append(fn)
-        return lambda: self._observers.remove(fn)
+        self.calls.observers.append(fn)
+        return lambda: self.calls.observers.remove(fn)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids, params: SamplingParams, request_id: str | None = None,
@@ -140,14 +129,12 @@ class LLMEngine(KvHandoffMixin):
         with ``kv_import`` its prompt's pages come from another engine (mapped under this
         engine's own page ids at admission, digest checked on device) and it continues from
         the first token that engine sampled."""
-        if self.config.role == "prefill" and export_kv is None:
-            raise ValueError("a prefill worker only prefills for a KV handoff (export_kv)")
+        self.kv_handoff.check_request(export_kv)
         if export_kv is not None:
-            self.runner.handoff.layout(export_kv)  # ValueError for an unknown format
             params = dataclasses.replace(params, max_tokens=1)
         ids = check_prompt(prompt_ids, params.max_tokens, self.cfg.vocab_size, self.max_model_len, self.pool_tokens)
         if kv_import is not None:
-            self._check_import(kv_import, ids)
+            self.kv_handoff.check_import(kv_import, ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         old = self.outputs.get(rid)
         if old is not None and not old.finished:
@@ -197,12 +184,12 @@ class LLMEngine(KvHandoffMixin):
         self.runner.apply_generation_updates(*self.bm.take_generation_updates())
         events: dict[str, list[int]] = {}  # request id -> token ids sampled this step
         for seq in sched.imported:
-            self._map_imported(seq, events)
+            self.kv_handoff.map_imported(seq, events)
         if sched.prefill:
             chunks = [c for c in sched.prefill if not c.seq.finished]
             rows = [(c.seq, c.seq.all_ids[c.start : c.start + c.num_tokens], c.start) for c in chunks]
             t = pick_bucket(max(len(r[1]) for r in rows), self.prefill_token_buckets)
-            res = self._run("prefill", rows, *step_bucket(self, "prefill", bucket(len(rows)), t))
+            res = self.calls.run("prefill", rows, *step_bucket(self, "prefill", bucket(len(rows)), t))
             to_sample = []
             for i, c in enumerate(chunks):
                 if not res.ok[i] or c.seq.finished:
@@ -211,23 +198,23 @@ class LLMEngine(KvHandoffMixin):
                 self.bm.commit_full_pages(c.seq.request_id, c.seq.all_ids[: c.seq.num_computed])
                 if c.completes_prompt and not c.seq.output_ids:
                     to_sample.append((i, c.seq))
-            self._sample(res.logits, to_sample, events)
+            self.rows.sample(res.logits, to_sample, events)
         decode = [s for s in sched.decode if not s.finished]
         verify = self._verify_bucket(len(decode)) if decode and self.spec is not None else None
         constrained = any(s.grammar is not None for s in decode)  # drafts are not grammar-checked: no speculation
         if decode and self.spec is not None and not constrained and self.spec.verifies(decode, verify):
-            self.spec.verify(decode, lambda rows: self._run("verify", rows, *verify), self._emit, events)
+            self.spec.verify(decode, lambda rows: self.calls.run("verify", rows, *verify), self.rows.emit, events)
         elif decode:
             rows = [(s, [s.output_ids[-1]], s.total_len - 1) for s in decode]
             masks = self.constraints.prefetch(decode)  # on a worker thread while the device runs the step
-            res = self._run("decode", rows, *step_bucket(self, "decode", bucket(len(rows)), 1))
+            res = self.calls.run("decode", rows, *step_bucket(self, "decode", bucket(len(rows)), 1))
             to_sample = []
             for i, s in enumerate(decode):
                 if res.ok[i] and not s.finished:
                     s.num_computed += 1
                     self.bm.commit_full_pages(s.request_id, s.all_ids[: s.num_computed])
                     to_sample.append((i, s))
-            self._sample(res.logits, to_sample, events, masks)
+            self.rows.sample(res.logits, to_sample, events, masks)
         return self._collect(events, sched)
 
     def _collect(self, events, sched) -> list[RequestOutput]:
@@ -246,23 +233,6 @@ class LLMEngine(KvHandoffMixin):
                 outs.append(self.outputs.output(s, events.get(rid, []), started=started))
         return outs
 
-    def _run(self, phase, rows, b, t, all_logits: bool = False):
-        """rows: (seq, new token ids, start position) -> the checked program; aborts failing rows."""
-        batch = InputBatch.build([(toks, start, seq.pages, seq.expected) for seq, toks, start in rows], b, t,
-                                 self.runner.max_pages_per_seq, self.config.page_size)
-        t0 = time.perf_counter()
-        res = self.runner.step(phase, batch.tokens, batch.cached_lens, batch.new_lens, batch.page_table,
-                               batch.expected, batch.pages_used, all_logits=all_logits)
-        if self._observers:
-            rec = StepRecord(phase, len(rows), int(batch.new_lens.sum()), b, t, len(self.scheduler.running),
-                             time.perf_counter() - t0)
-            for fn in list(self._observers):
-                fn(rec)
-        self.stats.record(res.ok, res.cause, len(rows))
-        for err in integrity_errors([r[0].request_id for r in rows], res.ok, res.cause):
-            self._finish(self.outputs.get(err.request_id), "abort", err)
-        return res
-
     def prompt_logprobs(self, token_ids) -> np.ndarray:
         """float32 [T, vocab]: row t is log p(next token | token_ids[: t + 1]), through the
         checked prefill program (one chunk; pages from the block manager, never from under a
@@ -276,50 +246,12 @@ class LLMEngine(KvHandoffMixin):
             self.runner.apply_generation_updates(*self.bm.take_generation_updates())
             seq = Sequence(str(key), ids, SamplingParams(), 0, pages=list(alloc.pages),
                            expected=self.bm.expected_generations(key))
-            res = self._run("prefill", [(seq, ids, 0)], 1, bucket(len(ids), 16), all_logits=True)
+            res = self.calls.run("prefill", [(seq, ids, 0)], 1, bucket(len(ids), 16), all_logits=True)
             if not res.ok[0]:
                 raise RuntimeError("the integrity check failed for the scoring pages")
             return np.asarray(jax.nn.log_softmax(res.logits[0, : len(ids)], axis=-1), np.float32)
         finally:
             self.bm.free(key)
-
-    def _sample(self, logits, rows: list[tuple[int, Sequence]], events, prefetched=None) -> None:
-        """Sample each row's token and hand it to the output processor. A row whose own
-        inputs cannot be sampled, or whose detokenization / stop check raises, fails alone
-        (``_fail``); the other rows' tokens are those they would have had without it."""
-        while rows:
-            try:
-                masks = self.constraints.rows([s for _, s in rows], prefetched)  # grammars' allowed tokens
-                tokens, lp, top_ids, top_lp, n_lp = sample_sequences(
-                    logits, rows, self.cfg.vocab_size, self.config.batch_invariant, self.runner.programs,
-                    build=not self.runner.warm, masks=masks)
-                break
-            except RowError as e:  # sample the others again without that row
-                self._fail(rows[e.row][1], "sample", e.cause)
-                rows = rows[: e.row] + rows[e.row + 1:]
-        else:
-            return
-        now = time.perf_counter()
-        for j, (_, s) in enumerate(rows):
-            if s.finished:
-                continue
-            n = s.params.logprobs or 0
-            top = {int(a): float(c) for a, c in zip(top_ids[j, :n], top_lp[j, :n])} if n_lp else None
-            self._emit(s, int(tokens[j]), float(lp[j]), top, now, events)
-
-    def _emit(self, s: Sequence, tok: int, logprob: float, top, now: float, events) -> bool:
-        """Append one token to ``s``; -> whether the request finished with it (or failed alone)."""
-        events.setdefault(s.request_id, []).append(tok)
-        try:
-            reason = self.outputs.append(s, tok, logprob, top, now)
-            if s.grammar is not None:  # the grammar ends the request once complete
-                reason = reason or self.constraints.advance(s, tok)
-        except Exception as e:
-            self._fail(s, "detokenize / stop check", e)
-            return True
-        if reason is not None:
-            self._finish(s, reason)
-        return s.finished
 
     def _verify_bucket(self, n: int) -> tuple[int, int] | None:
         """The verify bucket for n decode rows, or None while warm-up has not built one."""
@@ -327,20 +259,10 @@ class LLMEngine(KvHandoffMixin):
         built = not self.runner.warm or self.runner.programs is None or step_name("verify", b, t) in self.programs
         return (b, t) if built else None
 
-    def _fail(self, s: Sequence, stage: str, cause: Exception) -> None:
-        """Abort one request whose own processing raised: its pages are freed and its last
-        output carries a ``RequestFailed``; logged once, with the traceback (a bug to fix)."""
-        log.error("request %s failed in %s; aborting it alone", s.request_id, stage, exc_info=cause)
-        self._finish(s, "abort", RequestFailed(s.request_id, stage, cause))
-
     def _finish(self, s: Sequence, reason: str, error: Exception | None = None) -> None:
         if s.finished:
             return
-        if s.export_kv is not None and reason in ("stop", "length") and s.output_ids:
-            # The prompt's pages (its KV is complete: the first token was sampled from it),
-            # gathered before the pages are released.
-            s.kv_export = self.runner.export_pages(s.pages[: self.bm.pages_for(len(s.prompt_ids))], s.export_kv)
-            s.kv_export.token_ids = list(s.prompt_ids)
+        self.kv_handoff.export(s, reason)  # a prefill for a handoff: the prompt's pages, before they are released
         self.scheduler.finish(s, reason, error)
         self.outputs.finished(s, reason)
         self._just_finished.append(s)
@@ -348,17 +270,25 @@ class LLMEngine(KvHandoffMixin):
     # ------------------------------------------------------------------ warm-up
     def warmup(self, progress: Callable[[int, int], None] | None = None,
                on_serviceable: Callable[[], None] | None = None) -> None:
-        """Build every serving program the configuration can use (``jaxserve.engine.warmup``),
+        """Build every serving program the configuration can use (``jaxserve.engine.warming``),
         from the program cache when it holds them, and a worker role's KV handoff programs;
         ``progress(done, total)`` follows them. With ``on_serviceable`` (serving while warming,
         from another thread than ``step``'s) the guard is on from the start and it is called
         once any batch can run (padded)."""
         warm_engine(self, progress, on_serviceable)
 
+    def kv_layout(self, fmt: str | None = None) -> str:
+        """This engine's KV layout signature (in ``fmt``; default its pool's format)."""
+        return self.kv_handoff.layout(fmt)
+
+    def handoff_fingerprint(self) -> str:
+        """The weights-and-formats fingerprint a prefill and a decode worker compare ('' for "both")."""
+        return self.kv_handoff.fingerprint()
+
     def mark_warm(self) -> None:
         """Count every later compilation of a serving program (after a warm-up of one's own
         that compiled only the shapes a run needs; ``warmup()`` marks it itself)."""
-        self.runner.warm = True
+        self.runner.mark_warm()
 
     def run_until_done(self) -> None:
         """Step until every request has finished (their outputs are dropped)."""

@@ -25,11 +25,15 @@ the sort runs only then).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxserve.executor.buckets import bucket
+from jaxserve.executor.programs import ProgramSpec
 
 NUM_CANDIDATES = 256
 
@@ -155,14 +159,30 @@ def sampler_name(rows: int, n: int, greedy: bool, per_row: bool = False) -> str:
 
 def sampler_spec(logits_sharding, rows: int, n: int, vocab_size: int, greedy: bool, per_row: bool = False):
     """The ahead-of-time build of ``sampler_name(rows, n, greedy, per_row)`` (a ProgramSpec)."""
-    from jaxserve.programs import ProgramSpec
-
     f32, i32 = np.zeros(n, np.float32), np.zeros(n, np.int32)
     logits = jax.ShapeDtypeStruct((rows, vocab_size), jnp.float32, sharding=logits_sharding)
     mask = np.full((n, mask_words(vocab_size)), -1, np.int32)
     return ProgramSpec(sampler_name(rows, n, greedy, per_row), sample_rows,
                        (logits, i32, f32, i32, np.ones(n, np.float32), f32, i32, i32, mask),
                        dict(all_greedy=greedy, penalties=False, num_logprobs=0, per_row=per_row))
+
+
+class SamplerPrograms:
+    """The plain samplers warm-up builds (``jaxserve.executor.warmup.Samplers``): a spec for
+    the ahead-of-time path, whose ``warm`` (the jit path's build) is one call on zeros."""
+
+    def __init__(self, vocab_size: int, per_row: bool = False):
+        self.vocab_size, self.per_row = vocab_size, per_row
+
+    def spec(self, logits_sharding, rows: int, n: int, greedy: bool) -> ProgramSpec:
+        spec = sampler_spec(logits_sharding, rows, n, self.vocab_size, greedy, self.per_row)
+        return dataclasses.replace(spec, warm=lambda: self.run(rows, n, greedy))
+
+    def run(self, rows: int, n: int, greedy: bool) -> None:
+        f32, i32 = np.zeros(n, np.float32), np.zeros(n, np.int32)
+        mask = np.full((n, mask_words(self.vocab_size)), -1, np.int32)
+        sample_rows(np.zeros((rows, self.vocab_size), np.float32), i32, f32, i32, np.ones(n, np.float32), f32, i32,
+                    i32, mask, all_greedy=greedy, penalties=False, num_logprobs=0, per_row=self.per_row)
 
 
 def sample_sequences(logits, rows, vocab_size: int, per_row: bool = False, programs=None, build: bool = False,
@@ -172,7 +192,7 @@ def sample_sequences(logits, rows, vocab_size: int, per_row: bool = False, progr
     int32 [len(rows), ceil(V/32)] packed, or None: all allowed); -> numpy (tokens, logprobs,
     top ids, top logprobs, top-n bucket). ``programs`` (a ProgramSet) supplies the ahead-of-time
     built plain samplers; with ``build`` a missing one is built into it now (before warm-up)."""
-    b = _bucket(len(rows))
+    b = bucket(len(rows))
     greedy = all(s.params.greedy for _, s in rows)
     if programs is not None and not build:  # the smallest built sampler that holds the rows
         while sampler_name(logits.shape[0], b, greedy, per_row) not in programs and b < logits.shape[0]:
@@ -192,7 +212,7 @@ def sample_sequences(logits, rows, vocab_size: int, per_row: bool = False, progr
     penalties = any(s.params.uses_penalties for _, s in rows)
     extra = _penalty_inputs(rows, b, vocab_size) if penalties else {}
     n_lp = max((s.params.logprobs or 0) for _, s in rows)
-    n_lp = 0 if n_lp == 0 and all(s.params.logprobs is None for _, s in rows) else _bucket(max(n_lp, 1))
+    n_lp = 0 if n_lp == 0 and all(s.params.logprobs is None for _, s in rows) else bucket(max(n_lp, 1))
     built = None
     if programs is not None and not penalties and n_lp == 0:
         name = sampler_name(logits.shape[0], b, greedy, per_row)
@@ -233,11 +253,6 @@ def _row(j: int):
         yield
     except (OverflowError, ValueError, TypeError, IndexError) as e:
         raise RowError(j, e) from e
-
-
-def _bucket(n: int) -> int:
-    """Smallest power of two >= n (the padded row count of a sampling call)."""
-    return 1 << (max(n, 1) - 1).bit_length()
 
 
 penalty_inputs = _penalty_inputs  # public: speculative decoding's acceptance applies the same penalties

@@ -8,28 +8,6 @@ import time
 from jaxserve.engine.sampling_params import SamplingParams
 
 
-@dataclasses.dataclass
-class KvImport:
-    """A request whose prompt KV another engine computed (a KV handoff): its pages, their
-    digest, the first token that engine sampled and the prompt tokens it served from its
-    prefix cache. The engine maps the pages under its own page ids at admission."""
-
-    payload: object  # jaxserve.kv.handoff.KvPayload in this engine's KV format
-    digest: str  # 16 hex digits (jaxserve.kv.handoff.digest_hex)
-    first_token: int
-    cached_tokens: int = 0
-    recompute_on_failure: bool = False  # a digest mismatch: prefill locally instead of failing
-
-
-class KvHandoffError(RuntimeError):
-    """A handed-off request's pages failed their digest check; the request is aborted."""
-
-    def __init__(self, request_id: str, cause: str, detail: str = ""):
-        super().__init__(f"request {request_id!r}: KV handoff failed ({cause}){': ' + detail if detail else ''}")
-        self.request_id = request_id
-        self.cause = cause
-
-
 class Status(enum.Enum):
     WAITING = "waiting"  # no pages (new, or preempted and to be recomputed)
     RUNNING = "running"  # has pages; prefilling until num_computed reaches the prompt, then decoding
@@ -64,7 +42,7 @@ class Sequence:
     detok: object = None  # IncrementalDetokenizer when the model has a tokenizer
     export_kv: str | None = None  # KV handoff, sending side: the format to export the prompt's pages in
     kv_export: object = None  # ... the exported KvPayload, once the first token is sampled
-    kv_import: KvImport | None = None  # KV handoff, receiving side: pages to map at admission
+    kv_import: object = None  # KV handoff, receiving side: a jaxserve.disagg.handoff_request.KvImport
     grammar: object = None  # jaxserve.structured.constraints.GrammarState of a constrained request
     draft_ids: list[int] = dataclasses.field(default_factory=list)  # speculative tokens to verify this step
     spec: object = None  # jaxserve.engine.speculative.decoder.SpecStats when speculation is on

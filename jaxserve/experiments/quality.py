@@ -13,7 +13,7 @@ decode weight representation (``NAME=KV/PREFILL/DECODE``). For a batch of docume
    format and dequantized on read (as every step does, so a token's numbers do not depend on
    where chunks split). It computes with the prefill weights, and writes the prefix's KV pages.
 2. decode phase: the next C tokens are fed one per step through the engine's *decode* program
-   (``runner.step("decode", ...)``, teacher forcing the document's tokens). Every step reads
+   (``runner.step(StepBatch(..., phase="decode"))``, teacher forcing the document's tokens). Every step reads
    the whole context back from the pages (the prefix written by prefill, the rest by earlier
    decode steps) and computes with the decode weights.
 

@@ -10,6 +10,8 @@ import inspect
 
 import numpy as np
 
+from jaxserve.step_batch import StepBatch
+
 REFERENCE = "float32=float32/none/none"
 DEFAULT_CONFIGS = (
     "kv-bf16=bf16/none/none",
@@ -44,7 +46,7 @@ class Scorer:
         self.llm, self.batch, self.chunk = llm, batch, chunk
         s = llm.page_size
         self.per_doc = -(-n_tokens // s)
-        from jaxserve.runner import bucket
+        from jaxserve.executor.buckets import bucket
 
         self.table = np.zeros((batch, bucket(self.per_doc)), np.int32)
         for i in range(batch):
@@ -75,7 +77,7 @@ class Scorer:
         new = np.zeros(B, np.int32)
         new[:b] = 1
         z = np.zeros_like(self.table)
-        res = self.llm.runner.step("decode", tokens, cached, new, self.table, z, np.zeros(B, np.int32))
+        res = self.llm.runner.step(StepBatch(tokens, cached, new, self.table, z, np.zeros(B, np.int32), phase="decode"))
         if not res.ok[:b].all():
             raise RuntimeError("decode rows failed the page check (quality runs use integrity_check=False)")
         return np.asarray(self._lsm(res.logits))[:b]

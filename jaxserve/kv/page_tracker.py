@@ -57,7 +57,7 @@ class PageTracker:
         """Add host bumps to the device copy.
 
         generation: int32[num_pages]; pages, counts: int32[K], padded with (0, 0) to a
-        bucketed K so the step does not recompile (see ``pad_updates``). Add, not set,
+        bucketed K so the step does not recompile (see ``jaxserve.executor.buckets.pad_updates``). Add, not set,
         so padding on page 0 with count 0 and repeated ids are harmless.
         """
         return generation.at[pages].add(counts.astype(generation.dtype))
@@ -117,22 +117,6 @@ class NoOpTracker:
 
 
 # ---- host side (numpy only) ------------------------------------------------------------
-
-
-def pad_updates(pages: np.ndarray, counts: np.ndarray, min_size: int = 8
-                ) -> tuple[np.ndarray, np.ndarray]:
-    """Pad host updates with (page 0, count 0) to a power-of-two length >= min_size.
-
-    pages, counts: int32[K] -> int32[K'] with K' in {min_size, 2*min_size, ...}, so the
-    jitted update compiles once per bucket rather than once per K.
-    """
-    k = len(pages)
-    size = max(min_size, 1 << max(k - 1, 0).bit_length())
-    out_p = np.zeros(size, dtype=np.int32)
-    out_c = np.zeros(size, dtype=np.int32)
-    out_p[:k] = pages
-    out_c[:k] = counts
-    return out_p, out_c
 
 
 class IntegrityError(RuntimeError):

@@ -5,6 +5,10 @@ a message: a kind, a small JSON ``meta`` and numpy arrays (dtype, shape, raw byt
 pickle), so the other processes make the same call with the same inputs and the collectives
 inside the programs line up. ``stop`` ends the followers' loop.
 
+A step crosses whole: ``pack`` turns a dataclass pytree (``jaxserve.step_batch.StepBatch``) into
+its data fields' arrays (in field order) and its static fields (``metadata["static"]``) as
+``meta``; ``unpack`` rebuilds it on the other side.
+
 Frame: ``!II`` (header bytes, body bytes), a JSON header ``{"kind", "meta", "arrays":
 [[dtype, shape], ...]}``, then the arrays' bytes back to back.
 
@@ -17,6 +21,7 @@ collective that will never complete.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -47,6 +52,23 @@ def encode(kind: str, arrays=(), meta: dict | None = None) -> bytes:
                          "arrays": [[a.dtype.str, list(a.shape)] for a in arrays]}).encode()
     body = b"".join(a.tobytes() for a in arrays)
     return _FRAME.pack(len(header), len(body)) + header + body
+
+
+def pack(obj) -> tuple[list[np.ndarray], dict]:
+    """A dataclass as a message's arrays (its data fields, in order) and meta (its static fields)."""
+    arrays, meta = [], {}
+    for f in dataclasses.fields(obj):
+        if f.metadata.get("static"):
+            meta[f.name] = getattr(obj, f.name)
+        else:
+            arrays.append(np.asarray(getattr(obj, f.name)))
+    return arrays, meta
+
+
+def unpack(cls, arrays, meta: dict):
+    """``pack``'s inverse: an instance of the dataclass ``cls``."""
+    data = iter(arrays)
+    return cls(**{f.name: meta[f.name] if f.metadata.get("static") else next(data) for f in dataclasses.fields(cls)})
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from jaxserve.multihost.channel import HEARTBEAT, StepFollower
+from jaxserve.multihost.channel import HEARTBEAT, StepFollower, unpack
+from jaxserve.step_batch import StepBatch
 
 log = logging.getLogger("jaxserve.multihost")
 
@@ -36,7 +37,7 @@ def follow(runner, channel: StepFollower) -> int:
         if kind == "stop":
             return calls
         if kind == "step":
-            runner.step(meta["phase"], *arrays, all_logits=bool(meta.get("all_logits")))
+            runner.step(unpack(StepBatch, arrays, meta))
         elif kind == "updates":
             runner.apply_padded_updates(*arrays)
         elif kind in HANDOFF_CALLS:

@@ -7,9 +7,8 @@
 - ``auth.py``: API keys (identities) and TLS server credentials.
 - ``engine_loop.py``: the engine thread, the only code that touches the LLMEngine.
 - ``convert.py``: protos <-> SamplingParams / prompt ids / ModelInfo (formats, fingerprint).
-- ``handoff_service.py``: ``jaxserve.v1.KvHandoff`` on a prefill or decode worker (``--role``):
-  KV offers, manifest checks, pulls, release, expiry; ``kv_transport.py``: the grpc and
-  ``jax.experimental.transfer`` transports; ``disagg_client.py``: the prefill -> decode flow.
+- (``jaxserve.v1.KvHandoff``, its transports and the prefill -> decode client live in the
+  disaggregation wing, ``jaxserve.disagg``; ``app.py`` serves its ``service.py``.)
 - ``errors.py``: the error catalogue (status codes, retry info).
 - ``metrics.py``: the Prometheus metrics.
 - ``cli.py``: ``jaxserve serve`` (and ``client_cli.py``: ``jaxserve client``); ``gen_protos.py``

@@ -26,7 +26,7 @@ from jaxserve.server.limits import ServeLimits
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.readiness import NOT_SERVING, SERVICE_NAME, Readiness
 from jaxserve.server.service import JaxServeService
-from jaxserve.server.handoff_service import KvHandoffService
+from jaxserve.disagg.service import KvHandoffService
 from jaxserve.v1 import handoff_pb2 as hpb
 from jaxserve.v1 import handoff_pb2_grpc as hpb_grpc
 from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc

@@ -18,6 +18,7 @@ from jaxserve.server import convert, errors
 from jaxserve.server.auth import ApiKeys
 from jaxserve.server.engine_loop import EngineLoop, RequestStream
 from jaxserve.server.errors import ServeError
+from jaxserve.server.events import Failed
 from jaxserve.server.generations import Generations
 from jaxserve.server.limits import ServeLimits, StreamSlots, watch_unread
 
@@ -101,7 +102,7 @@ class ServingCore:
         for stream in list(self.active.values()):
             for s in (stream, *stream.choices):
                 if not s.done:
-                    s.queue.put_nowait(("error", error))
+                    s.queue.put_nowait(Failed(error))
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no generation is in flight (for a graceful drain); False on timeout."""

@@ -4,9 +4,12 @@ Event loop -> engine thread: commands on a SimpleQueue (add, abort, call, stop),
 in FIFO order, so an abort can never overtake the add it refers to.
 Engine thread -> event loop: per step, one ``loop.call_soon_threadsafe`` hands a batch of
 (stream, event) pairs to ``_deliver``, which puts each event on its request's asyncio.Queue
-(``request_stream.RequestStream``, where the events are listed).
+(``request_stream.RequestStream``). Events are the dataclasses of ``jaxserve.server.events``:
+``Started`` (once, at admission), ``Delta`` (new tokens and/or text), ``Ended`` (finish reason,
+usage, times, the request's error, a handoff's exported pages) and ``Failed`` (rejected by
+add_request, or step() failed).
 
-Invariant: every submitted stream receives exactly one terminal event ("end" or "error"),
+Invariant: every submitted stream receives exactly one terminal event (``Ended`` or ``Failed``),
 even when its RPC has already gone away; the queue-depth accounting relies on it.
 
 Engine request ids are internal and unique (``<client id>#<n>``), so a client may reuse its
@@ -29,6 +32,7 @@ from typing import Callable
 
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.server import errors
+from jaxserve.server.events import Delta, Ended, Failed, Started
 from jaxserve.server.request_stream import RequestStream
 
 log = logging.getLogger("jaxserve.server")
@@ -105,7 +109,7 @@ class EngineLoop:
 
     def _deliver(self, batch) -> None:
         for stream, ev in batch:
-            if not stream.admitted and ev[0] in ("start", "end", "error"):
+            if not stream.admitted and not isinstance(ev, Delta):
                 stream.admitted = True
                 self.waiting -= 1
             stream.queue.put_nowait(ev)
@@ -163,7 +167,7 @@ class EngineLoop:
             except queue.Empty:
                 break
             if cmd[0] == "add":
-                self._out.append((cmd[1], ("error", errors.unavailable("shutting down"))))
+                self._out.append((cmd[1], Failed(errors.unavailable("shutting down"))))
             elif cmd[0] in ("abort", "call"):
                 cmd[2].set_exception(RuntimeError("the engine loop has stopped"))
         self._flush()
@@ -203,7 +207,7 @@ class EngineLoop:
             try:
                 self.engine.add_request(ids, params, request_id=stream.engine_id, client=stream.client, **handoff)
             except Exception as e:  # ValueError = bad input; the loop maps the type to a code
-                self._out.append((stream, ("error", e)))
+                self._out.append((stream, Failed(e)))
                 return
             self._live[stream.engine_id] = _Live(stream)
         elif kind == "abort":
@@ -228,7 +232,7 @@ class EngineLoop:
             shutting_down = errors.unavailable("shutting down")
             for eid, live in list(self._live.items()):
                 self.engine.abort(eid)
-                self._out.append((live.stream, ("error", shutting_down)))
+                self._out.append((live.stream, Failed(shutting_down)))
             self._live.clear()
 
     def _step(self) -> None:
@@ -243,7 +247,7 @@ class EngineLoop:
                     self.engine.abort(eid)  # frees the pages
                 except Exception:
                     log.exception("abort(%s) after a failed step", eid)
-                self._out.append((live.stream, ("error", e)))
+                self._out.append((live.stream, Failed(e)))
             self._live.clear()
             return
         now = time.perf_counter()
@@ -263,7 +267,7 @@ class EngineLoop:
                 live.last_token = now
                 self.metrics.completion_tokens.inc(n)
             if out.new_token_ids or out.new_text:
-                self._out.append((live.stream, ("delta", list(out.new_token_ids), out.new_text, out.new_logprobs)))
+                self._out.append((live.stream, Delta(list(out.new_token_ids), out.new_text, out.new_logprobs)))
             if out.finished:
                 del self._live[out.request_id]
                 self._end(live, out)
@@ -274,7 +278,7 @@ class EngineLoop:
         live.started = True
         self.metrics.prompt_tokens.inc(out.prompt_tokens)
         self.metrics.cached_tokens.inc(out.cached_tokens)
-        self._out.append((live.stream, ("start", out.prompt_tokens, out.cached_tokens)))
+        self._out.append((live.stream, Started(out.prompt_tokens, out.cached_tokens)))
 
     def _end(self, live: _Live, out: RequestOutput) -> None:
         now = time.perf_counter()
@@ -283,5 +287,5 @@ class EngineLoop:
         ttft = live.first_token - stream.arrival if live.first_token is not None else None
         self.metrics.e2e.observe(total)
         self.recent_duration_s = 0.9 * self.recent_duration_s + 0.1 * total
-        self._out.append((stream, ("end", out.finish_reason, out.completion.usage, ttft, total, out.error,
-                                   out.kv_export)))
+        self._out.append((stream, Ended(out.finish_reason, out.completion.usage, ttft, total, out.error,
+                                        out.kv_export)))

@@ -19,6 +19,7 @@ import time
 from jaxserve.engine.outputs import RequestFailed
 from jaxserve.server import errors
 from jaxserve.server.engine_loop import EngineLoop, RequestStream
+from jaxserve.server.events import TERMINAL, Failed
 
 log = logging.getLogger("jaxserve.server")
 
@@ -152,9 +153,9 @@ class Generations:
 
 def terminal(ev):
     """A terminal event -> (reason, usage, ttft, total), or the ServeError it stands for."""
-    if ev[0] == "error":
-        raise errors.from_exception(ev[1])
-    _, reason, usage, ttft, total, error = ev[:6]
+    if isinstance(ev, Failed):
+        raise errors.from_exception(ev.error)
+    reason, usage, ttft, total, error = ev.finish_reason, ev.usage, ev.ttft_s, ev.total_s, ev.error
     if isinstance(error, RequestFailed):  # its own processing raised: INTERNAL, for it alone
         raise errors.internal(error)
     if error is not None:  # the page tracker failed this request closed
@@ -179,7 +180,7 @@ async def choice_events(stream: RequestStream):
                 i = pending.pop(task)
                 ev = task.result()
                 yield i, ev
-                if ev[0] not in ("end", "error"):
+                if not isinstance(ev, TERMINAL):
                     pending[asyncio.ensure_future(anext(gens[i]))] = i
     finally:
         for task in pending:

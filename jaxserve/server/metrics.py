@@ -69,7 +69,7 @@ class ServerMetrics:
         self._seen_checks = self._seen_rows = 0
 
     def _handoff_metrics(self, r) -> None:
-        """The KV handoff (prefill and decode workers, jaxserve.server.handoff_service)."""
+        """The KV handoff (prefill and decode workers, jaxserve.disagg.service)."""
         self.handoff_offers = Counter("jaxserve_kv_handoff_offers", "KV offers made (prefill worker)", registry=r)
         self.handoff_open = Gauge("jaxserve_kv_handoff_open_offers", "KV offers awaiting a pull or release", registry=r)
         self.handoff_expired = Counter("jaxserve_kv_handoff_expired", "KV offers drained unpulled at expiry",

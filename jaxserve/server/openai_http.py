@@ -26,6 +26,7 @@ from jaxserve.server import openai_agents as agents
 from jaxserve.server import openai_api as api
 from jaxserve.server.core import ServingCore
 from jaxserve.server.errors import ServeError
+from jaxserve.server.events import TERMINAL, Delta, Started
 from jaxserve.server.generations import choice_events, client_identity, terminal
 from jaxserve.server.headers import REPLICA_HEADER, REQUEST_ID_HEADER, SESSION_HEADER
 from jaxserve.server.limits import check_chat, check_stop, check_text
@@ -206,11 +207,11 @@ class OpenAIFrontEnd:
             n = 1 + len(stream.choices)
             ids, texts, lps, ends = [[] for _ in range(n)], [""] * n, [[] for _ in range(n)], [None] * n
             async for i, ev in choice_events(stream):
-                if ev[0] == "delta":
-                    ids[i] += ev[1]
-                    texts[i] += ev[2]
-                    lps[i] += ev[3] or []
-                elif ev[0] in ("end", "error"):
+                if isinstance(ev, Delta):
+                    ids[i] += ev.token_ids
+                    texts[i] += ev.text
+                    lps[i] += ev.logprobs or []
+                elif isinstance(ev, TERMINAL):
                     ends[i] = terminal(ev)
             outcome = ends[0][0]
             body = self._envelope(req, stream, chunk=False)
@@ -242,21 +243,21 @@ class OpenAIFrontEnd:
         try:
             async for i, ev in choice_events(stream):
                 out = self._envelope(req, stream, chunk=True)
-                if ev[0] == "start":
-                    prompt[i], cached[i] = ev[1], ev[2]
+                if isinstance(ev, Started):
+                    prompt[i], cached[i] = ev.prompt_tokens, ev.cached_tokens
                     if not req.chat:
                         continue
                     out["choices"] = [api.chunk_choice(req, i, "", None, None, first=True)]
-                elif ev[0] == "delta":
-                    lp = self._logprobs(req, ev[1], ev[3], offsets[i])
-                    offsets[i] += len(ev[2])
+                elif isinstance(ev, Delta):
+                    lp = self._logprobs(req, ev.token_ids, ev.logprobs, offsets[i])
+                    offsets[i] += len(ev.text)
                     if parsed is not None:  # content / reasoning / tool-call deltas of the text
-                        for choice in agents.delta_choices(i, parsed[i].push(ev[2]), lp):
+                        for choice in agents.delta_choices(i, parsed[i].push(ev.text), lp):
                             yield sse(dict(out, choices=[choice]))
                         continue
-                    if not ev[2] and lp is None:
+                    if not ev.text and lp is None:
                         continue
-                    out["choices"] = [api.chunk_choice(req, i, ev[2], None, lp)]
+                    out["choices"] = [api.chunk_choice(req, i, ev.text, None, lp)]
                 else:
                     reason, usage, _, _ = terminal(ev)
                     if i == 0:

@@ -1,18 +1,13 @@
 """One request as the event loop sees it: created by a front end (through ``Generations``), fed
-by the engine thread (``EngineLoop``) with events on its asyncio.Queue. Events are tuples:
-
-    ("start", prompt_tokens, cached_tokens)           once, when the scheduler admits it
-    ("delta", token_ids, text, logprobs)              new tokens (and/or text); logprobs: one
-                                                      (logprob, {id: logprob}) per token, or None
-    ("end", finish_reason, Usage, ttft_s, total_s, error, kv_export)
-                                  error: IntegrityError | KvHandoffError | None; kv_export: the
-                                  prompt's KvPayload for a request submitted with export_kv
-    ("error", exception)                              rejected by add_request, or step() failed
-"""
+by the engine thread (``EngineLoop``) with the events of ``jaxserve.server.events`` on its
+asyncio.Queue (``Started``, ``Delta``, then one terminal ``Ended`` or ``Failed``)."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+
+from jaxserve.server.events import TERMINAL
+
 
 @dataclasses.dataclass(eq=False)
 class RequestStream:
@@ -42,6 +37,6 @@ class RequestStream:
         while True:
             ev = await self.queue.get()
             yield ev
-            if ev[0] in ("end", "error"):
+            if isinstance(ev, TERMINAL):
                 self.done = True
                 return

@@ -98,7 +98,7 @@ def add_limit_args(p) -> None:
 
 
 def add_role_args(p) -> None:
-    """Disaggregated serving: the worker's role and its KV handoff (jaxserve.server.handoff_service)."""
+    """Disaggregated serving: the worker's role and its KV handoff (jaxserve.disagg.service)."""
     p.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
                    help="both: prefill and decode here (default); prefill: only the prefill weights, serves "
                         "KvHandoff.Prefill (KV offered to decode workers, default pool bf16); decode: only the "

@@ -19,6 +19,7 @@ from jaxserve.server import convert, errors
 from jaxserve.server.core import ServingCore
 from jaxserve.server.engine_loop import RequestStream
 from jaxserve.server.errors import ServeError
+from jaxserve.server.events import TERMINAL, Delta, Failed, Started
 from jaxserve.server.generations import choice_events, client_identity, terminal
 from jaxserve.server.headers import REPLICA_HEADER, REQUEST_ID_HEADER, SESSION_HEADER
 from jaxserve.server.limits import check_chat, check_stop, check_text
@@ -57,11 +58,11 @@ class JaxServeService(pb_grpc.JaxServeServicer):
             ids, text, lps = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
             ends = [None] * n
             async for i, ev in choice_events(stream):
-                if ev[0] == "delta":
-                    ids[i] += ev[1]
-                    text[i].append(ev[2])
-                    lps[i] += convert.token_logprobs(ev[1], ev[3])
-                elif ev[0] in ("end", "error"):
+                if isinstance(ev, Delta):
+                    ids[i] += ev.token_ids
+                    text[i].append(ev.text)
+                    lps[i] += convert.token_logprobs(ev.token_ids, ev.logprobs)
+                elif isinstance(ev, TERMINAL):
                     ends[i] = terminal(ev)
             outcome = ends[0][0]
             return self._response(stream, ids, ["".join(t) for t in text], lps, ends)
@@ -120,13 +121,14 @@ class JaxServeService(pb_grpc.JaxServeServicer):
             stream = await self._open(request, context, handoff)
             stream.task = asyncio.current_task()
             async for i, ev in choice_events(stream):
-                if ev[0] == "start":
+                if isinstance(ev, Started):
                     msg = pb.GenerateStreamResponse(start=pb.StreamStart(
                         request_id=stream.request_id, session_id=stream.session_id,
-                        prompt_tokens=ev[1], cached_tokens=ev[2], index=i))
-                elif ev[0] == "delta":
+                        prompt_tokens=ev.prompt_tokens, cached_tokens=ev.cached_tokens, index=i))
+                elif isinstance(ev, Delta):
                     msg = pb.GenerateStreamResponse(delta=pb.TokenDelta(
-                        token_ids=ev[1], text=ev[2], index=i, logprobs=convert.token_logprobs(ev[1], ev[3])))
+                        token_ids=ev.token_ids, text=ev.text, index=i,
+                        logprobs=convert.token_logprobs(ev.token_ids, ev.logprobs)))
                 else:
                     reason, usage, ttft, total = terminal(ev)
                     outcome = reason if i == 0 else outcome

@@ -37,15 +37,15 @@ def test_engine_decode_program_lowers_for_cuda_with_pallas(tiny_ckpt, kv_format)
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.models.step import StepInput
+    from jaxserve.step_batch import StepBatch
 
     llm = LLM(tiny_ckpt, kv_format=kv_format, attention_backend="pallas", decode_weights="int4:g32", **KW)
     r = llm.runner
     b, m = 4, r.max_pages_per_seq
-    z = jnp.zeros((b,), jnp.int32)
-    inp = StepInput(jnp.zeros((b, 1), jnp.int32), z, z, jnp.zeros((b, m), jnp.int32))
-    lowered = r._program("decode").trace(
-        r.phase_params["decode"][0], r.kv, r.generation, inp, jnp.zeros((b, m), jnp.int32), z
+    z, zm = jnp.zeros((b,), jnp.int32), jnp.zeros((b, m), jnp.int32)
+    batch = StepBatch(jnp.zeros((b, 1), jnp.int32), z, z, zm, zm, z, phase="decode")
+    lowered = r.step_programs.checked("decode").trace(
+        r.phase_params["decode"][0], r.kv, r.generation, batch
     ).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "triton" in text.lower()

@@ -6,7 +6,9 @@ import pytest
 from jaxserve import LLM
 from jaxserve.bench.measure import CompileWatch
 from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.runner import RecompilationError, pick_bucket, token_buckets
+from jaxserve.executor.buckets import pick_bucket, token_buckets
+from jaxserve.executor.guard import RecompilationError
+from jaxserve.step_batch import StepBatch
 
 RNG = np.random.RandomState(11)
 PROMPTS = [[int(x) for x in RNG.randint(2, 256, size=n)] for n in (5, 23, 12, 40, 9, 31)]
@@ -212,8 +214,7 @@ def test_no_compilation_after_warmup(tiny_ckpt):
     serving = {n: c for n, c in cw.names.items() if any(k in n for k in ("step", "apply_updates", "sample_rows"))}
     assert not serving, serving
     with pytest.raises(RecompilationError):
-        llm.runner.step("decode", *[np.zeros((3, 1), np.int32)] + [np.zeros(3, np.int32)] * 2
-                        + [np.zeros((3, llm.runner.max_pages_per_seq), np.int32)] * 2 + [np.zeros(3, np.int32)])
+        llm.runner.step(StepBatch.zeros("decode", 3, 1, llm.runner.max_pages_per_seq))
 
 
 def test_no_compilation_after_warmup_with_an_odd_page_table_width(tiny_ckpt):

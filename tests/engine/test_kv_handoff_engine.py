@@ -4,12 +4,12 @@ them under its own page ids with fresh generations and continues; tokens equal a
 engine's. Roles hold one phase's weights; the handoff fingerprint tells weights apart."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.engine.sequence import KvHandoffError, KvImport
+from jaxserve.disagg.handoff_request import KvHandoffError, KvImport
 from jaxserve.kv.handoff import digest_hex
+from jaxserve.step_batch import StepBatch
 
 ENGINE = dict(num_pages=40, page_size=4, max_num_seqs=4, max_prefill_seqs=2, prefill_chunk=16,
               max_num_batched_tokens=32, max_model_len=64)
@@ -59,8 +59,7 @@ def test_roles_hold_one_phase(engines):
     with pytest.raises(ValueError, match="prefill worker"):
         p.add_request(PROMPT, PARAMS[0], "plain")  # a prefill worker does not decode
     with pytest.raises(RuntimeError, match="no decode program"):
-        p.runner.step("decode", *([np.zeros((1, 1), np.int32)] + [np.zeros(1, np.int32)] * 2
-                                  + [np.zeros((1, p.runner.max_pages_per_seq), np.int32)] * 2 + [np.zeros(1, np.int32)]))
+        p.runner.step(StepBatch.zeros("decode", 1, 1, p.runner.max_pages_per_seq))
 
 
 @pytest.mark.parametrize("which", [0, 1])

@@ -12,7 +12,8 @@ from jaxserve.kv import page_tracker as pt
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.kv.page_tracker import (
     CAUSE_NAMES, NOT_OWNED, OK, OUT_OF_RANGE, STALE_GENERATION, IntegrityError,
-    NoOpTracker, PageTracker, TrackerStats, integrity_errors, pad_updates)
+    NoOpTracker, PageTracker, TrackerStats, integrity_errors)
+from jaxserve.executor.buckets import pad_updates
 
 P, B, M, PS = 8, 4, 8, 2
 TRACKER = PageTracker()

@@ -26,12 +26,12 @@ def decode_logits(runner, phase_leaves=None):
     runner.run(np.array([PROMPT[:-1]], np.int32), [0], [len(PROMPT) - 1], table[:, :4])
     if phase_leaves is not None:
         runner.phase_params["decode"] = phase_leaves
-    fn = runner._program("decode")
-    from jaxserve.models.step import StepInput
+    fn = runner.step_programs.checked("decode")
+    from jaxserve.step_batch import StepBatch
 
-    inp = StepInput(jnp.array([[PROMPT[-1]]], jnp.int32), jnp.array([len(PROMPT) - 1]), jnp.array([1]), jnp.asarray(table))
-    logits, runner.kv, ok, _ = fn(runner.phase_params["decode"][0], runner.kv, runner.generation, inp,
-                                  jnp.zeros_like(inp.page_table), jnp.zeros((1,), jnp.int32))
+    batch = StepBatch(jnp.array([[PROMPT[-1]]], jnp.int32), jnp.array([len(PROMPT) - 1]), jnp.array([1]),
+                      jnp.asarray(table), jnp.zeros_like(table), jnp.zeros((1,), jnp.int32), phase="decode")
+    logits, runner.kv, ok, _ = fn(runner.phase_params["decode"][0], runner.kv, runner.generation, batch)
     return np.asarray(logits[0])
 
 

@@ -9,8 +9,8 @@ from jax import monitoring
 
 from hf_models import build_llama
 from jaxserve import LLM
-from jaxserve.program_cache import MAGIC, ProgramCache, program_key, runtime_parts
-from jaxserve.programs import ProgramSet
+from jaxserve.executor.program_cache import MAGIC, ProgramCache, program_key, runtime_parts
+from jaxserve.executor.programs import ProgramSet
 
 # 9 programs: decode 1/2 rows, prefill 1 row x 16 tokens, updates 8/16, samplers 1x1 and 2x2 (greedy, sampling).
 CONFIG = dict(num_pages=16, page_size=8, max_num_seqs=2, max_prefill_seqs=1, prefill_chunk=16,

@@ -17,6 +17,7 @@ import torch
 
 from hf_models import build_deepseek_v3, build_glm4_moe, build_llama
 from jaxserve import LLM
+from jaxserve.step_batch import StepBatch
 from quant_reference import dense_leaves
 
 PROMPT = [int(x) for x in np.random.RandomState(7).randint(2, 256, size=21)]
@@ -46,9 +47,7 @@ def reference_for(ckpt, quantized, phase):
     """An LLM whose `phase` program reads the numpy-decoded dense copy of `quantized`'s weights."""
     ref = LLM(ckpt, **{**KW, "quantize_tied_head": False})
     dense = dense_leaves(*quantized.runner.phase_params[phase])
-    ref.runner.phase_params[phase] = dense
-    if phase == "prefill":
-        ref.runner.params, ref.runner.treedef = dense
+    ref.runner.phase_params[phase] = dense  # (the unchecked forward reads the prefill entry too)
     return ref
 
 
@@ -59,7 +58,8 @@ def decode_logprobs(llm, tokens, p=9):
     out = [np.asarray(r.run(np.array([tokens[:p]], np.int32), [0], [p], table))[0]]
     zeros = np.zeros((1,), np.int32)
     for i, tok in enumerate(tokens[p:-1]):
-        res = r.step("decode", np.array([[tok]], np.int32), [p + i], [1], table, np.zeros_like(table), zeros)
+        res = r.step(StepBatch(np.array([[tok]], np.int32), [p + i], [1], table, np.zeros_like(table), zeros,
+                               phase="decode"))
         out.append(np.asarray(res.logits)[0])
     return torch.log_softmax(torch.tensor(np.stack(out)), -1).numpy()
 

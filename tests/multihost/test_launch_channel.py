@@ -76,6 +76,24 @@ def test_frames_carry_arrays_exactly():
         ch.recv(b)
 
 
+def test_a_step_batch_crosses_the_channel_whole():
+    from jaxserve.step_batch import StepBatch
+
+    rng = np.random.default_rng(0)
+    batch = StepBatch(*(rng.integers(0, 9, shape, dtype=np.int32) for shape in ((2, 3), (2,), (2,), (2, 4), (2, 4), (2,))),
+                      phase="verify", all_logits=True)
+    a, b = socket.socketpair()
+    a.sendall(ch.encode("step", *ch.pack(batch)))
+    kind, arrays, meta = ch.recv(b)
+    got = ch.unpack(StepBatch, arrays, meta)
+    assert kind == "step" and meta == {"phase": "verify", "all_logits": True}
+    assert (got.phase, got.all_logits, got.shape) == ("verify", True, (2, 3))
+    for name in ("tokens", "cached_lens", "new_lens", "page_table", "expected", "pages_used"):
+        assert np.array_equal(getattr(got, name), getattr(batch, name)), name
+    a.close()
+    b.close()
+
+
 def test_frames_refuse_types_they_cannot_name():
     import ml_dtypes
 

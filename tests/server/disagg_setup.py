@@ -74,7 +74,7 @@ def payload_of(llm, offer, data: bytes):
 def import_reference(llm, offer, payload, params, request_id: str) -> list[int]:
     """The completion of `llm` (one process) for the offer's prompt, its pages imported from
     `payload` and its first token the offer's: what a decode worker must produce."""
-    from jaxserve.engine.sequence import KvImport
+    from jaxserve.disagg.handoff_request import KvImport
 
     rid = llm.engine.add_request(list(offer.prompt_token_ids), params, request_id, kv_import=KvImport(
         payload, offer.digest, offer.first_token_ids[0], offer.cached_tokens))

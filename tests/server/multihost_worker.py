@@ -97,7 +97,7 @@ def roles(model: str, coordinator: str, step_port: str, process_id: str, out: st
     import numpy as np
 
     from jaxserve.engine.sampling_params import SamplingParams
-    from jaxserve.engine.sequence import KvImport
+    from jaxserve.disagg.handoff_request import KvImport
     from jaxserve.kv.handoff import digest_hex
     from jaxserve.multihost.channel import StepFollower, StepLeader
     from jaxserve.multihost.follower import follow

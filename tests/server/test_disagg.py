@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.server.disagg_client import generate_disaggregated, worker_info
+from jaxserve.disagg.client import generate_disaggregated, worker_info
 from jaxserve.v1 import handoff_pb2 as hpb
 from jaxserve.v1 import handoff_pb2_grpc as hpb_grpc
 from jaxserve.v1 import jaxserve_pb2 as pb

@@ -235,7 +235,7 @@ def test_decode_workers_pull_over_mtls_with_their_key_or_the_callers(cluster, ha
     """Prefill worker -> decode worker over mTLS with the key, both transports: B sends its
     --worker-api-key, C the key its Decode call came with; no recompute allowed, so a pull that
     failed would be an error, and the tokens are those of the pages handed off."""
-    from jaxserve.server.disagg_client import generate_disaggregated
+    from jaxserve.disagg.client import generate_disaggregated
 
     addrs = cluster["addrs"]
     ids, kw = PROMPTS["greedy"]
@@ -260,8 +260,8 @@ def test_a_wrong_ca_or_plaintext_fails_closed_with_the_reason(cluster, tmp_path,
     import logging
 
     from jaxserve.router.app import RouterThread
-    from jaxserve.server.disagg_client import generate_disaggregated
-    from jaxserve.server.kv_transport import GrpcTransport, PullError
+    from jaxserve.disagg.client import generate_disaggregated
+    from jaxserve.disagg.transport import GrpcTransport, PullError
 
     addrs, paddr = cluster["addrs"], cluster["addrs"]["prefill"]
     other = make_certs(tmp_path)

@@ -139,7 +139,7 @@ def test_prefill_and_decode_workers_over_two_processes(moe, tmp_path):
     1-process workers' (so the router pairs them with 1-process peers)."""
     from jaxserve import LLM
     from jaxserve.engine.sampling_params import SamplingParams
-    from jaxserve.engine.sequence import KvImport
+    from jaxserve.disagg.handoff_request import KvImport
     from jaxserve.kv.handoff import KvPayload, digest_hex
 
     out = tmp_path / "roles.npz"

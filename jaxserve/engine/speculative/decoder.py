@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from jaxserve.executor.buckets import bucket
 from jaxserve.engine.sampler import penalty_inputs
 from jaxserve.engine.speculative.verify import verify_rows
 
@@ -102,11 +103,11 @@ class SpeculativeDecoder:
             limit = min(seq.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.total_len - 1)
             seq.draft_ids = self.proposer.propose(seq.all_ids, limit)
 
-    def verifies(self, decode, bucket) -> bool:
+    def verifies(self, decode, verify_bucket) -> bool:
         """Whether this decode batch runs as a verify call: some row drafted and its bucket
         (None while warm-up has not built it) exists. If not, the drafts are dropped (their
         slots fill as the requests grow)."""
-        if bucket is not None and any(s.draft_ids for s in decode):
+        if verify_bucket is not None and any(s.draft_ids for s in decode):
             return True
         for s in decode:
             s.draft_ids = []
@@ -117,7 +118,7 @@ class SpeculativeDecoder:
         KV written for all), the acceptance, then each row's tokens emitted in order
         (``emit(seq, token, logprob, top, now, events)`` -> finished: a stop inside the run ends
         it) and the rejected drafts' pages rolled back."""
-        self._bucket = _bucket(len(decode))
+        self._bucket = bucket(len(decode))
         res = run([(s, [s.output_ids[-1]] + s.draft_ids, s.total_len - 1) for s in decode])
         live = [(i, s) for i, s in enumerate(decode) if res.ok[i] and not s.finished]
         now = time.perf_counter()
@@ -134,7 +135,7 @@ class SpeculativeDecoder:
     def accept(self, logits, rows) -> list[tuple[list[int], list[float], list]]:
         """rows: (logits row, Sequence) of one verify call -> per row (tokens to emit: accepted
         drafts then the correction / bonus token, their log-probs, top log-probs or None)."""
-        b = _bucket(len(rows))
+        b = bucket(len(rows))
         t = self.verify_tokens
         idx, nd, drafts = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros((b, t - 1), np.int32)
         temp, top_p, min_p = np.zeros(b, np.float32), np.ones(b, np.float32), np.zeros(b, np.float32)
@@ -148,7 +149,7 @@ class SpeculativeDecoder:
         penalties = any(s.params.uses_penalties for _, s in rows)
         extra = penalty_inputs(rows, b, self.vocab_size) if penalties else {}
         n_lp = max(((s.params.logprobs or 0) for _, s in rows), default=0)
-        n_lp = 0 if all(s.params.logprobs is None for _, s in rows) else _bucket(max(n_lp, 1))
+        n_lp = 0 if all(s.params.logprobs is None for _, s in rows) else bucket(max(n_lp, 1))
         greedy = all(s.params.greedy for _, s in rows)
         out = verify_rows(logits, idx, drafts, nd, temp, top_k, top_p, min_p, seeds, steps, **extra,
                           all_greedy=greedy, penalties=penalties, num_logprobs=n_lp)
@@ -205,7 +206,3 @@ class SpeculativeDecoder:
             for greedy in (True, False):
                 verify_rows(logits, z, np.zeros((b, t - 1), np.int32), z, f, z, np.ones(b, np.float32), f, z, z,
                             all_greedy=greedy, penalties=False, num_logprobs=0)
-
-
-def _bucket(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()

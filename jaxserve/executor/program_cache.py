@@ -38,7 +38,7 @@ def source_hash() -> str:
     edited model, kernel or runner misses the cache. Computed once per process."""
     global _SOURCE_HASH
     if _SOURCE_HASH is None:
-        root = Path(__file__).resolve().parent.parent
+        root = Path(__file__).resolve().parent.parent.parent  # the repository (this file is jaxserve/executor/)
         h = hashlib.sha256()
         for d in _SOURCE_DIRS:
             for path in sorted((root / d).rglob("*.py")):

@@ -24,7 +24,6 @@ exits halfway through the PullPages stream).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import secrets
@@ -32,48 +31,19 @@ import time
 
 import grpc
 
-from jaxserve.engine import prefix_cache
-from jaxserve.engine.sequence import KvImport
+from jaxserve.disagg.handoff_request import KvImport
+from jaxserve.disagg.offers import EXPIRY_MARGIN_S, FAULT_ENV, PROTOCOL_VERSION, Offer, parse_faults, prefix_hashes
+from jaxserve.disagg.transport import GrpcTransport, JaxTransferTransport, PullError, chunks
 from jaxserve.kv import handoff
 from jaxserve.server import errors
 from jaxserve.server.auth import PeerCredentials, forwarded
 from jaxserve.server.errors import ServeError
-from jaxserve.server.kv_transport import GrpcTransport, JaxTransferTransport, PullError, chunks
+from jaxserve.server.events import Delta
 from jaxserve.v1 import handoff_pb2 as hpb
 from jaxserve.v1 import handoff_pb2_grpc as hpb_grpc
 from jaxserve.v1 import jaxserve_pb2 as pb
 
 log = logging.getLogger("jaxserve.server")
-PROTOCOL_VERSION = 1
-FAULT_ENV = "JAXSERVE_HANDOFF_FAULT"
-EXPIRY_MARGIN_S = 0.5  # an offer this close to its expiry is not pulled (it may be drained meanwhile)
-
-
-@dataclasses.dataclass
-class Offer:
-    manifest: hpb.HandoffOffer
-    payload: handoff.KvPayload
-    expires: float  # time.time()
-
-
-def prefix_hashes(ids: list[int], page_size: int) -> list[bytes]:
-    """The prefix-cache chain hash of every full page of ``ids`` (16 bytes little-endian each)."""
-    out, parent = [], None
-    for i in range(len(ids) // page_size):
-        parent = prefix_cache.hash_page(parent, prefix_cache.page_tokens(ids, i, page_size))
-        out.append(parent.to_bytes(16, "little"))
-    return out
-
-
-def parse_faults(spec: str) -> dict[str, str]:
-    """``$JAXSERVE_HANDOFF_FAULT`` -> {request id ('' = every request): fault}."""
-    out = {}
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        fault, _, rid = item.partition(":")
-        if fault not in ("corrupt_payload", "die_mid_pull"):
-            raise ValueError(f"unknown {FAULT_ENV} fault {fault!r}")
-        out[rid] = fault
-    return out
 
 
 class KvHandoffService(hpb_grpc.KvHandoffServicer):
@@ -87,7 +57,8 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
                  pull_timeout_s: float = 10.0, max_offers: int = 64, bind_host: str | None = None,
                  peer: PeerCredentials | None = None):
         self.jax, self.engine, self.address = jax_service, engine, address
-        self.role = engine.config.role
+        self.handoff = engine.kv_handoff  # the engine's KV handoff part: its role, layout, payload shapes
+        self.role = self.handoff.role
         self.ttl_s, self.pull_timeout_s, self.max_offers = ttl_s, pull_timeout_s, max_offers
         self.fingerprint = engine.handoff_fingerprint()
         self.layout = engine.kv_layout()
@@ -115,9 +86,10 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
 
     # ------------------------------------------------------------------ prefill side
     async def Prefill(self, request, context):
-        if self.role == "decode":
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a decode worker does not prefill for handoffs")
-        fmt = self.engine.runner.handoff.format_for_layout(request.target_kv_layout)
+        refused = self.role.refuses_call("Prefill")
+        if refused:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused)
+        fmt = self.handoff.format_for_layout(request.target_kv_layout)
         if fmt is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"this prefill worker cannot produce the KV layout {request.target_kv_layout!r}")
@@ -134,10 +106,10 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
             stream = await self.jax.open_stream(req, context, dict(export_kv=fmt))
             first, ev = [], None
             async for ev in stream.events():
-                if ev[0] == "delta":
-                    first += ev[1]
+                if isinstance(ev, Delta):
+                    first += ev.token_ids
             _, usage, _, _ = self.jax.terminal(ev)
-            payload = ev[6]
+            payload = ev.kv_export
             if payload is None or not first:
                 raise ServeError(grpc.StatusCode.ABORTED, "the request ended before its first token")
             offer = await self._offer(req, stream, payload, first, usage.cached_tokens, fmt,
@@ -176,7 +148,7 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no live KV offer {request.transfer_id!r}")
         if offer.manifest.transport != "grpc":
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this offer moves over jax.experimental.transfer")
-        axes = self.engine.runner.handoff.leaf_axes(offer.payload.fmt)
+        axes = self.handoff.leaf_axes(offer.payload.fmt)
         data = await asyncio.to_thread(handoff.to_bytes, offer.payload, axes)
         fault = self.faults.get(offer.manifest.request_id, self.faults.get("", ""))
         if fault == "die_mid_pull":  # test fault: half the bytes, then the process is gone
@@ -197,7 +169,7 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
         """Forget an offer; an unpulled transfer offer is drained out of the transfer server."""
         self.metrics.handoff_open.set(len(self.offers))
         if offer.manifest.transport == "transfer" and not pulled:
-            specs = self.engine.runner.handoff.specs(offer.payload.fmt, offer.payload.num_pages)
+            specs = self.handoff.payload_specs(offer.payload.fmt, offer.payload.num_pages)
             await self.transfer.drain(offer.manifest.transfer_id, specs)
 
     async def watch_offers(self, period_s: float = 0.25) -> None:
@@ -253,8 +225,8 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
         """The manifest before any bytes move: FAILED_PRECONDITION for what this worker cannot
         use, INVALID_ARGUMENT for an inconsistent manifest; -> whether the offer is still live."""
         bad = errors.failed_precondition
-        if self.role == "prefill":
-            raise bad("a prefill worker does not decode")
+        if self.role.refuses_call("Decode"):
+            raise bad(self.role.refuses_call("Decode"))
         if offer.protocol_version != PROTOCOL_VERSION:
             raise bad(f"KV handoff protocol {offer.protocol_version}; this worker speaks {PROTOCOL_VERSION}")
         if offer.model_fingerprint != self.fingerprint:
@@ -275,13 +247,11 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
         return offer.expires_unix_s - EXPIRY_MARGIN_S >= time.time()  # False: expired
 
     async def _pull(self, offer: hpb.HandoffOffer, metadata: tuple) -> handoff.KvPayload:
-        h = self.engine.runner.handoff
-        n = -(-offer.num_tokens // self.page_size)
-        fmt = self.engine.runner.fmt.name
+        n, fmt = -(-offer.num_tokens // self.page_size), self.handoff.kv_format
         left = min(self.pull_timeout_s, offer.expires_unix_s - time.time())
         t0 = time.perf_counter()
-        payload = await self.transports[offer.transport].pull(offer, h.specs(fmt, n), h.leaf_axes(), n, fmt, left,
-                                                              metadata)
+        payload = await self.transports[offer.transport].pull(offer, self.handoff.payload_specs(fmt, n),
+                                                              self.handoff.leaf_axes(), n, fmt, left, metadata)
         self.metrics.handoff_pulls.labels(offer.transport).inc()
         self.metrics.handoff_bytes.labels(offer.transport).inc(payload.nbytes)
         self.metrics.handoff_seconds.observe(time.perf_counter() - t0)

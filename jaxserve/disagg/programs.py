@@ -1,6 +1,7 @@
 """The jitted programs of a KV handoff, one per page-count bucket: export (gather a request's
 pages, convert them to a target KV format, digest) and import (digest, then scatter into the
-pool only if the digest matches). ``ModelRunner`` owns one and runs them on its pools; see
+pool only if the digest matches), and ``HandoffCalls``, the runner's component that runs them on
+its pools (mirrored over several processes, counted by the recompilation guard); see
 ``jaxserve.kv.handoff`` for the device functions, layouts and digest.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.executor.buckets import handoff_buckets, pick_bucket
 from jaxserve.kv import handoff
 from jaxserve.kv.formats import KVFormat, get_kv_format, kv_format_names
 from jaxserve.kv.handoff import KvPayload, digest_hex
@@ -28,22 +30,16 @@ class HandoffPrograms:
         # split by KV head has other processes' heads), so process 0 holds all of it.
         self._out = replicated(mesh) if spans_processes else None
         self.spans_processes = spans_processes
-        self.buckets = []
-        b = 4
-        while b < max_pages:
-            self.buckets.append(b)
-            b *= 2
-        self.buckets.append(b)
+        self.buckets = handoff_buckets(max_pages)
         self._shapes = {name: handoff.pool_shapes(init_kv, get_kv_format(name), page_size) for name in kv_format_names()}
         self._axes = {name: handoff.page_axes(*shapes) for name, shapes in self._shapes.items()}
         self.axes = self._axes[fmt.name]  # the page axis of every pool of this engine
         self._jitted: dict = {}
 
     def bucket(self, num_pages: int) -> int:
-        for b in self.buckets:
-            if b >= num_pages:
-                return b
-        raise ValueError(f"{num_pages} pages exceed the largest handoff bucket {self.buckets[-1]}")
+        if num_pages > self.buckets[-1]:
+            raise ValueError(f"{num_pages} pages exceed the largest handoff bucket {self.buckets[-1]}")
+        return pick_bucket(num_pages, self.buckets)
 
     def layout(self, fmt: str | None = None) -> str:
         """The layout signature of this model's pools in ``fmt`` (default: the pool's own)."""
@@ -121,52 +117,51 @@ class HandoffPrograms:
         return sum(f._cache_size() for f in self._jitted.values())
 
 
-class HandoffRunnerMixin:
-    """``ModelRunner``'s KV handoff methods (its pools are ``self.kv``; ``self.handoff`` its
-    ``HandoffPrograms``). Over several processes each call is first sent to the others
-    (``self._mirror``: "export", "import" with the payload's arrays, "handoff_warmup"), as the
-    program steps are, so every process runs the same programs on its shards."""
+class HandoffCalls:
+    """The KV handoff calls on the runner's pools (``state.kv``): its ``HandoffPrograms`` run
+    them, ``guard`` counts a compilation after warm-up. Over several processes each call is
+    first sent to the others (``mirror``: "export", "import" with the payload's arrays,
+    "handoff_warmup"), as the program steps are, so every process runs the same programs on its
+    shards."""
+
+    def __init__(self, programs: HandoffPrograms, state, guard, mirror, num_pages: int):
+        self.programs, self.state, self.guard, self.mirror, self.num_pages = programs, state, guard, mirror, num_pages
 
     def export_pages(self, pages: list[int], fmt: str) -> KvPayload:
         """A request's pages gathered out of the pool, converted to KV format ``fmt`` and
         digested on device (``HandoffPrograms.export``): a snapshot, the pool is not changed."""
-        if self._mirror is not None:
-            self._mirror("export", (np.asarray(pages, np.int32),), {"fmt": fmt})
-        return self._counted(lambda: self.handoff.export(self.kv, pages, fmt), "KV export")
+        self.mirror("export", (np.asarray(pages, np.int32),), {"fmt": fmt})
+        return self._counted(lambda: self.programs.export(self.state.kv, pages, fmt), "KV export")
 
     def import_pages(self, pages: list[int], payload: KvPayload, expected) -> tuple[bool, str]:
         """Write ``payload`` into ``pages`` if its digest on device equals ``expected`` (uint32
         [2]); -> (ok, the digest found, as hex). A mismatch writes nothing."""
-        if self._mirror is not None:
-            self._mirror("import", (np.asarray(pages, np.int32), np.asarray(expected, np.uint32),
-                                    *(np.asarray(x) for x in payload.leaves)),
-                         {"fmt": payload.fmt, "num_pages": payload.num_pages, "bucket": payload.bucket})
+        if self.mirror.on:
+            self.mirror("import", (np.asarray(pages, np.int32), np.asarray(expected, np.uint32),
+                                   *(np.asarray(x) for x in payload.leaves)),
+                        {"fmt": payload.fmt, "num_pages": payload.num_pages, "bucket": payload.bucket})
+
         def run():
-            self.kv, ok, got = self.handoff.import_(self.kv, self.num_pages, pages, payload, expected)
+            self.state.kv, ok, got = self.programs.import_(self.state.kv, self.num_pages, pages, payload, expected)
             return bool(ok), digest_hex(got)
 
         return self._counted(run, "KV import")
 
     def _counted(self, fn, what: str):
-        before = self.handoff.compiled()
-        out = fn()
-        if self.warm and self.handoff.compiled() != before:
-            self.recompiled(f"{what} program compiled after warm-up")
-        return out
+        return self.guard.counted(fn, self.programs.compiled, what)
 
-    def warmup_handoff(self, export_formats: list[str], imports: bool) -> None:
+    def warmup(self, export_formats: list[str], imports: bool) -> None:
         """Compile the KV export (to each of ``export_formats``) and import programs, every
         page-count bucket (the all-null page lists write nothing)."""
-        if self._mirror is not None:
-            self._mirror("handoff_warmup", (), {"formats": list(export_formats), "imports": bool(imports)})
-        for b in self.handoff.buckets:
+        self.mirror("handoff_warmup", (), {"formats": list(export_formats), "imports": bool(imports)})
+        kv_fmt, n = self.programs.fmt.name, self.num_pages
+        for b in self.programs.buckets:
             pages = [0] * b
             for fmt in export_formats:
-                payload = self.handoff.export(self.kv, pages, fmt)
+                payload = self.programs.export(self.state.kv, pages, fmt)
             if imports:
-                payload = self.handoff.export(self.kv, pages, self.fmt.name)
-                self.kv, _, _ = self.handoff.import_(self.kv, self.num_pages, [self.num_pages] * b, payload,
-                                                     np.zeros(2, np.uint32))
+                payload = self.programs.export(self.state.kv, pages, kv_fmt)
+                self.state.kv, _, _ = self.programs.import_(self.state.kv, n, [n] * b, payload, np.zeros(2, np.uint32))
 
 
 def weights_digest(leaves) -> str:

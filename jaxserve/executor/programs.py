@@ -9,7 +9,8 @@ it is compiled for) and its static keyword arguments. ``ProgramSet.build`` makes
 callable (``get(name)``: a ``jax.stages.Compiled``, which raises rather than recompiles on
 arguments of another shape) and records, per program, where its time went (``timings``):
 cache load, trace, lower, compile. ``compiled`` counts XLA compilations, ``loaded`` cache
-hits; ``progress(done, total)`` is called as programs become ready.
+hits; ``progress(done, total)`` is called as programs become ready. (``ProgramSpec.warm`` is
+for the jit path, ``executor.sources.JitPath``, which builds a spec by calling it once.)
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from typing import Callable
 import jax
 from jax import monitoring
 
-from jaxserve.program_cache import ProgramCache, program_key, runtime_parts
+from jaxserve.executor.program_cache import ProgramCache, program_key, runtime_parts
 
 log = logging.getLogger("jaxserve.programs")
 
@@ -81,6 +82,7 @@ class ProgramSpec:
     fn: Callable  # a jax.jit-wrapped function
     args: tuple
     static: dict = dataclasses.field(default_factory=dict)
+    warm: Callable[[], None] | None = None  # the jit path's build: one call on null inputs (through the runner)
 
 
 @dataclasses.dataclass
