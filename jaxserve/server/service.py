@@ -34,6 +34,9 @@ _unary_errors = errors.unary_errors(log)
 
 
 class JaxServeService(pb_grpc.JaxServeServicer):
+    """JaxServe over a ``ServingCore`` (``generations``, ``phase``, ``active``: the core's); the
+    KV handoff service reuses its streams (``open_stream`` / ``run_stream`` / ``close_stream``)."""
+
     def __init__(self, core: ServingCore):
         self.core = core
         self.info = core.info
