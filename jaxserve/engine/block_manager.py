@@ -21,13 +21,10 @@ Prefix cache
     the verified match live in ``prefix_cache.py``; this module owns the pages). Pages are
     registered by ``commit_full_pages`` only after their KV has been written.
 
-Generations (the integrity design; docs/ARCHITECTURE.md, step 4)
-    ``generation[p]`` is bumped when page ``p`` is acquired from free/evictable state
-    (refcount 0 -> 1) and again when released (1 -> 0): odd = owned, even = not owned.
-    A second sharer of a cached prefix page does not bump it. Each sequence records the
-    generation current when it mapped each page; the device-side ``PageTracker.check``
-    compares the two. The host mirrors the device array and hands the runner the pages
-    changed since the last step via ``take_generation_updates``.
+Generations
+    Every page acquisition from free/evictable state and every release bumps the page's
+    generation (``page_generations.PageGenerations``, the host mirror of the device array);
+    each sequence records the generation current when it mapped each page.
 """
 from __future__ import annotations
 
@@ -39,6 +36,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxserve.engine import prefix_cache
+from jaxserve.engine.page_generations import GenerationUpdates, PageGenerations
 from jaxserve.engine.prefix_cache import CachedPage, hash_page, match_prefix, page_tokens
 
 NULL_PAGE = 0
@@ -65,17 +63,6 @@ class Allocation(NamedTuple):
     num_cached_tokens: int
 
 
-class GenerationUpdates(NamedTuple):
-    """Generation bumps since the last ``take_generation_updates``, for the device copy.
-
-    pages: int32[K], distinct page ids, ascending.
-    counts: int32[K], how many times each was bumped (apply with ``gen.at[pages].add``).
-    """
-
-    pages: np.ndarray
-    counts: np.ndarray
-
-
 @dataclasses.dataclass
 class _SeqPages:
     pages: list[int]
@@ -100,13 +87,12 @@ class BlockManager:
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.refcount = np.zeros(num_pages, dtype=np.int32)  # [num_pages]; read-only outside
-        self.generation = np.zeros(num_pages, dtype=np.int32)  # [num_pages]; device mirror
+        self.generations = PageGenerations(num_pages)
         self._free: deque[int] = deque(range(1, num_pages))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest release first
         self._cached: dict[int, CachedPage] = {}  # page -> contents, for cached pages
         self._hash_to_page: dict[int, int] = {}
         self._seqs: dict[Hashable, _SeqPages] = {}
-        self._pending: dict[int, int] = {}  # page -> bumps not yet taken by the runner
 
     # ---- capacity -------------------------------------------------------------------
 
@@ -189,7 +175,7 @@ class BlockManager:
         for page in reversed(released):
             self.refcount[page] -= 1
             if self.refcount[page] == 0:
-                self._bump(page)
+                self.generations.bump(page)
                 self._free.append(page)
         return released
 
@@ -224,7 +210,7 @@ class BlockManager:
         for page in reversed(seq.pages):
             self.refcount[page] -= 1
             if self.refcount[page] == 0:
-                self._bump(page)
+                self.generations.bump(page)
                 if page in self._cached:
                     self._evictable[page] = None
                 else:
@@ -262,16 +248,15 @@ class BlockManager:
         """Whether the page holds a full page registered in the prefix cache."""
         return page in self._cached
 
-    def take_generation_updates(self) -> GenerationUpdates:
-        """Pages whose generation changed since the last call, with bump counts.
+    @property
+    def generation(self) -> np.ndarray:
+        """int32 [num_pages]: every page's generation (odd = owned); read-only outside."""
+        return self.generations.values
 
-        The runner applies them to the device copy once per step
-        (``PageTracker.apply_updates``); afterwards device == ``self.generation``.
-        """
-        pages = np.array(sorted(self._pending), dtype=np.int32)
-        counts = np.array([self._pending[p] for p in pages.tolist()], dtype=np.int32)
-        self._pending.clear()
-        return GenerationUpdates(pages, counts)
+    def take_generation_updates(self) -> GenerationUpdates:
+        """Pages whose generation changed since the last call, with bump counts, for the
+        runner to apply to the device copy once per step."""
+        return self.generations.take_updates()
 
     # ---- internals ------------------------------------------------------------------
 
@@ -302,13 +287,9 @@ class BlockManager:
         assert page != NULL_PAGE
         if self.refcount[page] == 0:
             self._evictable.pop(page, None)
-            self._bump(page)
+            self.generations.bump(page)
         self.refcount[page] += 1
         return int(self.generation[page])
-
-    def _bump(self, page: int) -> None:
-        self.generation[page] += 1
-        self._pending[page] = self._pending.get(page, 0) + 1
 
 
 __all__ = ["Allocation", "BlockManager", "GenerationUpdates", "NULL_PAGE", "NoFreePagesError", "hash_page"]

@@ -3,14 +3,13 @@ decode rows up to ``max_num_seqs``, and no more rows than the pool has pages: ea
 request holds one; prefill rows up to ``max_prefill_seqs`` (and ``max_num_seqs``) by the prefill
 token buckets), the plan it hands the executor (``jaxserve.executor.warmup``: steps, updates,
 samplers, a worker role's KV handoff programs; no decode bucket on a prefill worker), then
-speculative decoding's acceptance. ``step_bucket`` is the engine's bucket choice while warming;
-``warm_in_background`` runs a warm-up on a thread of its own and returns once serviceable
-(``serve --serve-while-warming``).
+speculative decoding's acceptance. ``step_bucket`` is the engine's bucket choice while warming
+(the server's engine loop runs ``LLMEngine.warmup`` on a thread of its own for
+``serve --serve-while-warming``).
 """
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Callable
 
 import numpy as np
@@ -70,23 +69,3 @@ def step_bucket(engine, phase: str, b: int, t: int) -> tuple[int, int]:
     decode, prefill = serving_buckets(engine.config, engine.prefill_token_buckets)
     steps = {"decode": [(d, 1) for d in decode], "verify": [(d, t) for d in decode]}.get(phase, prefill)
     return bucket_for(engine.runner.programs, phase, b, t, steps)
-
-
-def warm_in_background(engine, progress: Callable[[int, int], None] | None = None) -> None:
-    """``engine.warmup`` on a thread of its own; returns once any batch can run (the rest
-    builds meanwhile) and raises what warm-up raised before that."""
-    serviceable, failed = threading.Event(), []
-
-    def build():
-        try:
-            engine.warmup(progress=progress, on_serviceable=serviceable.set)
-        except BaseException as e:  # before serving, the caller gets it; after, built buckets serve on
-            if serviceable.is_set():
-                log.exception("warm-up failed after serving began")
-            failed.append(e)
-            serviceable.set()
-
-    threading.Thread(target=build, name="jaxserve-warmup", daemon=True).start()
-    serviceable.wait()
-    if failed:
-        raise failed[0]

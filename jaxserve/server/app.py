@@ -16,6 +16,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from jaxserve.disagg.role import WorkerRole
+from jaxserve.disagg.service import KvHandoffService
 from jaxserve.server import address, announce, convert
 from jaxserve.server.auth import ApiKeys, PeerCredentials
 from jaxserve.server.core import ServingCore
@@ -26,7 +28,6 @@ from jaxserve.server.limits import ServeLimits
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.readiness import NOT_SERVING, SERVICE_NAME, Readiness
 from jaxserve.server.service import JaxServeService
-from jaxserve.disagg.service import KvHandoffService
 from jaxserve.v1 import handoff_pb2 as hpb
 from jaxserve.v1 import handoff_pb2_grpc as hpb_grpc
 from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
@@ -88,7 +89,7 @@ class Server:
         self.handoff_options = dict(transport=kv_transport, ttl_s=handoff_ttl_s, pull_timeout_s=pull_timeout_s,
                                     bind_host=host, peer=peer)
         self.advertise_host = advertise_host
-        if self.info.role != "both" or advertise_host is not None:  # ValueError before anything binds
+        if WorkerRole(self.info.role).hands_off or advertise_host is not None:  # ValueError before anything binds
             self.advertise_host = address.advertised_host(host, advertise_host)
         self.handoff = self._handoff_watch = None
         self._grpc = self._http = self.service = self.engine_loop = self.core = self.readiness = None
@@ -124,7 +125,7 @@ class Server:
             self.port = self._grpc.add_insecure_port(address)
         else:
             self.port = self._grpc.add_secure_port(address, self.credentials)
-        if self.info.role != "both":
+        if WorkerRole(self.info.role).hands_off:
             self.handoff = KvHandoffService(self.service, self.llm.engine, self.metrics, self.advertised,
                                             **self.handoff_options)
             hpb_grpc.add_KvHandoffServicer_to_server(self.handoff, self._grpc)

@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 
+from jaxserve.disagg.role import WorkerRole
 from jaxserve.server import announce
 from jaxserve.server.client_cli import register_client
 from jaxserve.server.serve_args import add_serve_args, limits_from
@@ -72,7 +73,7 @@ def _run(args) -> tuple[int, bool]:
     keys = auth.keys_from(args.api_key)
     credentials = auth.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
     args.peer = auth.peer_from_args(args)
-    if args.role != "both" or args.advertise_host is not None:
+    if WorkerRole(args.role).hands_off or args.advertise_host is not None:
         from jaxserve.server.address import advertised_host
 
         advertised_host(args.host, args.advertise_host)
@@ -189,7 +190,7 @@ def _print_serving(args, server, llm) -> None:
     if args.profile_startup:
         llm.profile.add("warm-up: build the serving programs", server.warmup_seconds)
         log.info("%s", llm.profile.report(llm.engine.programs))
-    held = i.prefill if i.role == "prefill" else i.decode  # the phase whose weights this worker holds
+    held = i.decode if WorkerRole(i.role).decodes else i.prefill  # the phase whose weights this worker holds
     print(f"jaxserve: SERVING on {server.target} ({i.architecture}, role {i.role}, weights "
           f"{held.weights}, kv {held.kv_cache}, fingerprint {i.fingerprint[:12]})", flush=True)
 

@@ -15,6 +15,7 @@ import uuid
 
 import grpc
 
+from jaxserve.disagg.role import WorkerRole
 from jaxserve.server import convert, errors
 from jaxserve.server.core import ServingCore
 from jaxserve.server.engine_loop import RequestStream
@@ -178,7 +179,7 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         session = req.session_id or str(headers.get(SESSION_HEADER, ""))
         core.check_id("session_id" if req.session_id else SESSION_HEADER, session)
         core.generations.check_serving()
-        if self.info.role == "prefill" and not handoff:
+        if WorkerRole(self.info.role).exports and not handoff:
             raise errors.failed_precondition("a prefill worker serves KvHandoff.Prefill only; send generation "
                                              "requests to a decode (or both) worker or the router")
         check_stop(req.stop.stop, req.stop.stop_token_ids, core.limits)  # before any work on them

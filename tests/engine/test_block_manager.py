@@ -34,7 +34,7 @@ def snapshot(bm):
     """Everything that all-or-nothing must leave untouched."""
     return (
         list(bm._free), list(bm._evictable), bm.refcount.tolist(), bm.generation.tolist(),
-        dict(bm._pending), {p: (e.page_hash, e.parent_hash, e.token_ids) for p, e in bm._cached.items()},
+        bm.generations.pending(), {p: (e.page_hash, e.parent_hash, e.token_ids) for p, e in bm._cached.items()},
         dict(bm._hash_to_page),
         {k: (list(s.pages), list(s.expected), s.num_cached_tokens, list(s.block_hashes))
          for k, s in bm._seqs.items()},
