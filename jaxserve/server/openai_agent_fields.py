@@ -1,8 +1,9 @@
 """The OpenAI API's agent fields in a request body: ``response_format`` (``json_object``,
 ``json_schema``) and vLLM's extensions (``structured_outputs`` {json, regex, grammar, choice},
 ``guided_json`` / ``guided_regex`` / ``guided_grammar`` / ``guided_choice``), ``tools`` /
-``tool_choice`` / ``parallel_tool_calls``, ``chat_template_kwargs``, and messages with
-``role: "tool"`` or an assistant's ``tool_calls``. Anything wrong is INVALID_ARGUMENT naming the
+``tool_choice`` / ``parallel_tool_calls`` and ``chat_template_kwargs``, parsed into the
+front-neutral ``agent_plan.AgentRequest`` (whose cross-field rules and history messages are
+``agent_plan``'s). Anything wrong is INVALID_ARGUMENT naming the
 field at fault.
 """
 from __future__ import annotations
@@ -11,23 +12,10 @@ import dataclasses
 import json
 
 from jaxserve.server import errors
+from jaxserve.server.agent_plan import AgentRequest, check_choice, check_template_kwargs, check_tools
 from jaxserve.structured.spec import StructuredOutput
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar", "guided_choice": "choice"}
-
-
-@dataclasses.dataclass
-class AgentRequest:
-    structured: StructuredOutput | None = None  # the response format (the answer's grammar)
-    tools: list = dataclasses.field(default_factory=list)
-    tool_choice: object = "auto"  # "none" | "auto" | "required" | the named function's name (str in a dict)
-    parallel: bool = True
-    template_kwargs: dict = dataclasses.field(default_factory=dict)
-    field: str | None = None  # the body field the response format came from (for error reports)
-
-    @property
-    def named(self) -> str | None:
-        return self.tool_choice["name"] if isinstance(self.tool_choice, dict) else None
 
 
 def _bad(msg: str, param: str):
@@ -96,10 +84,7 @@ def _tools(body: dict) -> list[dict]:
         if not isinstance(fn.get("parameters", {}), dict):
             raise _bad(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
         out.append({"type": "function", "function": fn})
-    names = [t["function"]["name"] for t in out]
-    if len(set(names)) != len(names):
-        raise _bad("tools: function names must be unique", "tools")
-    return out
+    return check_tools(out)
 
 
 def parse(body: dict, chat: bool) -> AgentRequest:
@@ -115,62 +100,13 @@ def parse(body: dict, chat: bool) -> AgentRequest:
     if choice is None:
         choice = "auto" if req.tools else "none"
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        if not isinstance(name, str) or name not in {t["function"]["name"] for t in req.tools}:
-            raise _bad("tool_choice names a function that is not in tools", "tool_choice")
-        choice = {"name": name}
+        choice = {"name": (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None}
     elif choice not in ("none", "auto", "required"):
         raise _bad("tool_choice must be none, auto, required or {type: function, function: {name}}", "tool_choice")
-    if choice == "required" and not req.tools:
-        raise _bad("tool_choice required needs tools", "tool_choice")
-    if (choice == "required" or isinstance(choice, dict)) and req.structured is not None:
-        raise _bad("a required or named tool choice and a response format cannot both constrain the output",
-                   "tool_choice")
-    req.tool_choice = choice
+    req.tool_choice = check_choice(choice, req.tools, req.structured)
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise _bad("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     req.parallel = parallel
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict) or any(k in ("messages", "tools", "add_generation_prompt") for k in kwargs):
-        raise _bad("chat_template_kwargs must be an object (not messages, tools or add_generation_prompt)",
-                   "chat_template_kwargs")
-    req.template_kwargs = kwargs
+    req.template_kwargs = check_template_kwargs(body.get("chat_template_kwargs") or {})
     return req
-
-
-def check_messages(messages, check) -> list[dict]:
-    """Chat messages: {role, content} as ``check`` (the plain messages' validator) takes them, plus a tool's
-    result (role "tool", tool_call_id) and an assistant's tool_calls (content may be empty;
-    each call's JSON arguments become a dict, as chat templates read them)."""
-    plain, extra = [], {}
-    for i, m in enumerate(messages or []):
-        m = dict(m)
-        calls = m.get("tool_calls")
-        if calls is not None:
-            if m.get("role") != "assistant" or not isinstance(calls, list):
-                raise errors.invalid_argument(f"messages[{i}].tool_calls: only an assistant's, as a list")
-            extra[i] = {"tool_calls": [_history_call(c, i) for c in calls]}
-            if m.get("content") is None:
-                m["content"] = ""
-        if m.get("role") == "tool":
-            tid = m.get("tool_call_id")
-            if tid is not None and not isinstance(tid, str):
-                raise errors.invalid_argument(f"messages[{i}].tool_call_id must be a string")
-            extra.setdefault(i, {}).update({k: m[k] for k in ("tool_call_id", "name") if m.get(k) is not None})
-        plain.append(m)
-    out = check(plain)
-    return [dict(m, **extra.get(i, {})) for i, m in enumerate(out)]
-
-
-def _history_call(c, i: int) -> dict:
-    fn = c.get("function") if isinstance(c, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise errors.invalid_argument(f"messages[{i}].tool_calls: each needs function.name")
-    args = fn.get("arguments", {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError:
-            raise errors.invalid_argument(f"messages[{i}].tool_calls: arguments are not JSON") from None
-    return {"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}

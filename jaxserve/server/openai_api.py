@@ -12,7 +12,7 @@ import json
 import time
 
 from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.server import convert, errors, openai_agent_fields as agent_fields, validate
+from jaxserve.server import agent_plan, convert, errors, openai_agent_fields as agent_fields, validate
 
 # Fields OpenAI defines that jaxserve does not implement: a request that sets one is refused
 # rather than silently served without it.
@@ -127,7 +127,7 @@ def parse_chat(body: dict, max_messages: int) -> Parsed:
         raise errors.invalid_argument(f"{len(messages)} messages; the limit is {max_messages} (--max-messages)",
                                       "messages")
     messages = [dict(m, content=_content(m.get("content"), i)) for i, m in enumerate(messages)]
-    messages = agent_fields.check_messages(messages, lambda ms: validate.messages(ms, max_messages, "messages"))
+    messages = agent_plan.check_messages(messages, lambda ms: validate.messages(ms, max_messages, "messages"))
     logprobs = None
     if _get(body, "logprobs", bool, False):
         logprobs = _int(body, "top_logprobs", 0)

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from jaxserve.agents.message import MessageStream
-from jaxserve.server import convert, errors, validate
+from jaxserve.server import agent_plan, convert, errors, validate
 from jaxserve.server import openai_agents as agents
 from jaxserve.server import openai_api as api
 from jaxserve.server.core import ServingCore
@@ -43,7 +43,7 @@ class OpenAIFrontEnd:
                  reasoning_parser: str | None = None):
         self.core, self.gens = core, core.generations
         cfg = core.llm.cfg
-        self.agents = agents.AgentFront(core.tokenizer, cfg.architecture, cfg.model_type, tool_call_parser,
+        self.agents = agent_plan.AgentFront(core.tokenizer, cfg.architecture, cfg.model_type, tool_call_parser,
                                         reasoning_parser)
         self.model_name = model_name
         self.created = api.now()
@@ -147,7 +147,7 @@ class OpenAIFrontEnd:
         plan = self.agents.plan(req.chat, req.agent, prompt_text)
         req.sampling.update(plan.sampling())
         if plan.structured is not None:  # a grammar that cannot compile is refused before anything runs
-            await agents.check_grammar(core.check_structured, req.agent, plan.structured)
+            await agent_plan.check_grammar(core.check_structured, req.agent, plan.structured)
         params = req.params(len(ids), core.info.max_context, core.info.max_num_seqs)
         if req.stream:
             core.slots.acquire(peer)
@@ -238,7 +238,7 @@ class OpenAIFrontEnd:
         state["outcome"]: how it ended (the response's on_close counts it)."""
         n = 1 + len(stream.choices)
         prompt, cached, completion, offsets, drafts = [0] * n, [0] * n, [0] * n, [0] * n, [(0, 0)] * n
-        parsed = [MessageStream(plan.parser, agents.call_ids(stream.request_id, i)) for i in range(n)] \
+        parsed = [MessageStream(plan.parser, agent_plan.call_ids(stream.request_id, i)) for i in range(n)] \
             if plan.parser is not None else None
         try:
             async for i, ev in choice_events(stream):
@@ -266,7 +266,7 @@ class OpenAIFrontEnd:
                     if parsed is not None:
                         for choice in agents.delta_choices(i, parsed[i].finish(), None):
                             yield sse(dict(out, choices=[choice]))
-                        agents.count_calls(self.core.metrics.agents, self.agents.tool_parser, parsed[i].last.calls)
+                        agent_plan.count_calls(self.core.metrics.agents, self.agents.tool_parser, parsed[i].last.calls)
                         reason = "tool_calls" if parsed[i].has_calls and reason == "stop" else reason
                     drafts[i] = (usage.draft_tokens, usage.accepted_draft_tokens)
                     out["choices"] = [api.chunk_choice(req, i, None if req.chat else "", reason, None)]
