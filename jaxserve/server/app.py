@@ -110,7 +110,7 @@ class Server:
                                 max_id_length=self.max_id_length, limits=self.limits)
         self.readiness = Readiness(self.core, self.metrics, self.llm.engine.programs, self.target)
         await self.readiness.set(NOT_SERVING)
-        self.service = JaxServeService(self.core)
+        self.service = JaxServeService(self.core, **self.agent_parsers)
         self._watchdog = asyncio.ensure_future(self.core.watch_unread())
         # so_reuseport off: a second server asking for a busy port must fail, not share it. The
         # guard checks API keys (JaxServe only: health and reflection stay open, probes need them

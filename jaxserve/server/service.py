@@ -16,7 +16,8 @@ import uuid
 import grpc
 
 from jaxserve.disagg.role import WorkerRole
-from jaxserve.server import convert, errors
+from jaxserve.server import convert, errors, grpc_agents
+from jaxserve.server.agent_plan import AgentFront
 from jaxserve.server.core import ServingCore
 from jaxserve.server.engine_loop import RequestStream
 from jaxserve.server.errors import ServeError
@@ -38,9 +39,11 @@ class JaxServeService(pb_grpc.JaxServeServicer):
     """JaxServe over a ``ServingCore`` (``generations``, ``phase``, ``active``: the core's); the
     KV handoff service reuses its streams (``open_stream`` / ``run_stream`` / ``close_stream``)."""
 
-    def __init__(self, core: ServingCore):
+    def __init__(self, core: ServingCore, tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         self.core = core
         self.info = core.info
+        cfg = core.llm.cfg
+        self.agents = AgentFront(core.tokenizer, cfg.architecture, cfg.model_type, tool_call_parser, reasoning_parser)
 
     @property
     def generations(self):
@@ -57,7 +60,7 @@ class JaxServeService(pb_grpc.JaxServeServicer):
     async def Generate(self, request, context):
         stream, outcome, closed = None, "internal", False
         try:
-            stream = await self._open(request, context)
+            stream, out = await self._submit(request, context)
             n = 1 + len(stream.choices)
             ids, text, lps = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
             ends = [None] * n
@@ -69,7 +72,8 @@ class JaxServeService(pb_grpc.JaxServeServicer):
                 elif isinstance(ev, TERMINAL):
                     ends[i] = terminal(ev)
             outcome = ends[0][0]
-            return self._response(stream, ids, ["".join(t) for t in text], lps, ends)
+            resp = self._response(stream, ids, ["".join(t) for t in text], lps, ends)
+            return out.whole(resp, ["".join(t) for t in text]) if out else resp
         except ServeError as e:
             outcome = e.outcome
             closed = self._close(stream, "Generate", outcome)  # counted before the client sees the status
@@ -122,7 +126,7 @@ class JaxServeService(pb_grpc.JaxServeServicer):
             self.core.metrics.requests.labels(rpc, e.outcome).inc()
             await context.abort(e.code, e.message, e.trailing_metadata())
         try:
-            stream = await self._open(request, context, handoff)
+            stream, out = await self._submit(request, context, handoff)
             stream.task = asyncio.current_task()
             async for i, ev in choice_events(stream):
                 if isinstance(ev, Started):
@@ -131,13 +135,17 @@ class JaxServeService(pb_grpc.JaxServeServicer):
                         prompt_tokens=ev.prompt_tokens, cached_tokens=ev.cached_tokens, index=i))
                 elif isinstance(ev, Delta):
                     msg = pb.GenerateStreamResponse(delta=pb.TokenDelta(
-                        token_ids=ev.token_ids, text=ev.text, index=i,
+                        token_ids=ev.token_ids, text=ev.text, index=i, **(out.delta(i, ev.text) if out else {}),
                         logprobs=convert.token_logprobs(ev.token_ids, ev.logprobs)))
                 else:
                     reason, usage, ttft, total = terminal(ev)
                     outcome = reason if i == 0 else outcome
+                    last = out.end(i) if out else None
+                    if last:  # the parsed message's last pieces, held back until the end
+                        await context.write(pb.GenerateStreamResponse(delta=pb.TokenDelta(index=i, **last)))
+                    code = convert.FINISH_REASONS[reason]
                     msg = pb.GenerateStreamResponse(end=pb.StreamEnd(
-                        finish_reason=convert.FINISH_REASONS[reason], usage=convert.usage(usage),
+                        finish_reason=out.reason(i, code) if out else code, usage=convert.usage(usage),
                         timing=convert.timing(ttft, total), index=i))
                 stream.writing_since = time.monotonic()
                 await context.write(msg)
@@ -170,8 +178,11 @@ class JaxServeService(pb_grpc.JaxServeServicer):
                 self._close(stream, rpc, outcome)
 
     async def _open(self, req: pb.GenerateRequest, context, handoff: dict | None = None) -> RequestStream:
-        """Validate and submit; raises ServeError (nothing is submitted then). handoff: the
-        engine's KV handoff arguments (export_kv / kv_import)."""
+        return (await self._submit(req, context, handoff))[0]
+
+    async def _submit(self, req: pb.GenerateRequest, context, handoff: dict | None = None):
+        """Validate and submit -> (stream, its AgentOutput or None); raises ServeError (nothing is
+        submitted then). handoff: the engine's KV handoff arguments (export_kv / kv_import)."""
         arrival, core = time.perf_counter(), self.core
         headers = {k: v for k, v in (context.invocation_metadata() or ())}
         # Ids are echoed in response headers: checked first, so a bad one never runs.
@@ -184,8 +195,12 @@ class JaxServeService(pb_grpc.JaxServeServicer):
                                              "requests to a decode (or both) worker or the router")
         check_stop(req.stop.stop, req.stop.stop_token_ids, core.limits)  # before any work on them
         params = convert.choice_params(convert.sampling_params(req), req.n or 1, self.info.max_num_seqs)
-        ids = await self.prompt_ids(req)
-        if params[0].structured is not None:  # a grammar that cannot compile: refused before anything runs
+        plan, planned = None, grpc_agents.wanted(req)
+        if planned:  # tools, reasoning: the plan the OpenAI API follows too (its grammar checked)
+            ids, params, plan = await grpc_agents.plan(core, self.agents, req, params)
+        else:
+            ids = await self.prompt_ids(req)
+        if not planned and params[0].structured is not None:  # a grammar that cannot compile: refused, nothing run
             try:
                 await core.check_structured(params[0].structured)
             except ValueError as e:
@@ -202,7 +217,10 @@ class JaxServeService(pb_grpc.JaxServeServicer):
             raise errors.invalid_argument("log-probs cannot be combined with a KV handoff")
         # It may have stopped serving during the awaits above: submit checks again.
         client = client_identity(owner, context.peer() or "")
-        return core.submit(ids, params, rid, session, owner, arrival, handoff, client=client)
+        stream = core.submit(ids, params, rid, session, owner, arrival, handoff, client=client)
+        out = grpc_agents.AgentOutput(plan, rid, len(params), core.metrics.agents, self.agents.tool_parser) \
+            if plan is not None else None
+        return stream, out
 
     async def prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
         """The request's prompt as ids (texts and conversations within --max-prompt-bytes,

@@ -15,7 +15,9 @@ where ``last`` is the request's last token (prompt or output) and ``seed`` the r
 Not modelled: grammars (``check_structured`` and a structured request raise ValueError), the KV
 handoff (export_kv / kv_import raise ValueError) and the page integrity check. For fault
 injection a test calls ``fail_next_step(error)`` (the next ``step()`` raises it); to watch a server
-before it is ready, it sets ``warmup_gate`` (a ``threading.Event`` warm-up waits for).
+before it is ready, it sets ``warmup_gate`` (a ``threading.Event`` warm-up waits for); for a
+scripted answer (tool calls, reasoning), ``script``: the output ids every request generates
+in order (then EOS) in place of ``next_token``'s.
 """
 from __future__ import annotations
 
@@ -92,6 +94,7 @@ class MockEngine:
         self._fail_next: Exception | None = None
         self.warm = False
         self.warmup_gate = None  # a threading.Event warm-up waits for (at most 120 s), if set
+        self.script: list[int] | None = None  # set: every request's output ids (then EOS)
 
     # ------------------------------------------------------------------ what the server reads
     def memory_report(self) -> dict:
@@ -218,6 +221,9 @@ class MockEngine:
 
     def _emit(self, s: Sequence, events) -> None:
         tok = next_token(s.all_ids[-1], s.params, s.seed, self.vocab_size)
+        if self.script is not None:
+            k = len(s.output_ids)
+            tok = self.script[k] if k < len(self.script) else min(self.eos_token_ids)
         n = s.params.logprobs or 0
         events.setdefault(s.request_id, []).append(tok)
         try:
