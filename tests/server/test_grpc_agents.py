@@ -168,3 +168,9 @@ def test_stream_deltas_assemble_to_whole(text):
         content, reasoning, calls, reason = assemble(events)
         assert (content, reasoning, reason) == (whole.content, whole.reasoning_text, whole.finish_reason), cut
         assert calls == [(c.id, c.name, c.arguments) for c in whole.tool_calls], cut
+
+
+def test_template_kwargs_thinking_off(stub):
+    """chat_template_kwargs reach the plan: enable_thinking false, so no reasoning is split off."""
+    resp = stub.Generate(request(chat_template_kwargs='{"enable_thinking": false}'))
+    assert resp.reasoning_text == "" and resp.content.startswith("<think>Paris is a city.</think>")
