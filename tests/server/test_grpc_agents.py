@@ -79,6 +79,13 @@ def test_n_choices_each_parsed(stub):
         assert ch.content == "Let me look." and [c.name for c in ch.tool_calls] == ["get_weather"]
         assert ch.finish_reason == pb.FINISH_REASON_TOOL_CALLS
     assert resp.choices[0].tool_calls[0].id != resp.choices[1].tool_calls[0].id
+    events = list(stub.GenerateStream(request(tools=[WEATHER], n=2, request_id="n2")))
+    whole = stub.Generate(request(tools=[WEATHER], n=2, request_id="n2"))
+    for ch in whole.choices:
+        mine = [ev for ev in events if getattr(ev, ev.WhichOneof("event")).index == ch.index]
+        content, reasoning, calls, reason = assemble(mine)
+        assert (content, reasoning, reason) == (ch.content, ch.reasoning_text, ch.finish_reason)
+        assert calls == [(c.id, c.name, c.arguments) for c in ch.tool_calls]
 
 
 def test_parse_output_without_tools_is_content_and_reasoning(stub):
