@@ -274,3 +274,16 @@ def mock_served():
     client.close()
     st.stop()
 
+
+def on_the_mock_server():
+    """A module's ``served`` and ``cases`` fixtures on the mock engine's server (no model; tokens
+    by ``mock_cases``' arithmetic): ``served, cases = on_the_mock_server()`` at module level."""
+    @pytest.fixture(scope="module")
+    def served(mock_served):
+        return mock_served
+
+    @pytest.fixture(scope="module")
+    def cases():
+        return mock_cases()
+
+    return served, cases

@@ -22,18 +22,10 @@ except ImportError:
 from jaxserve.client import build_request
 from jaxserve.v1 import jaxserve_pb2 as pb
 
-from .conftest import CONVERSATION, LIMITS, MODEL_NAME, eventually, mock_cases
+from .conftest import CONVERSATION, LIMITS, MODEL_NAME, eventually, on_the_mock_server
 
 
-@pytest.fixture(scope="module")
-def served(mock_served):
-    """This module's server: the mock engine's (no model; tokens by ``mock_cases``' arithmetic)."""
-    return mock_served
-
-
-@pytest.fixture(scope="module")
-def cases():
-    return mock_cases()
+served, cases = on_the_mock_server()
 
 HUGE = 10**400  # a 401-digit integer
 CHAT = {"model": MODEL_NAME, "messages": CONVERSATION, "max_tokens": 2}

@@ -10,18 +10,10 @@ import pytest
 
 from jaxserve.server.errors import RETRY_AFTER_KEY, STATUS_DETAILS_KEY, RetryInfo, RpcStatus, retry_after_s
 
-from .conftest import MAX_WAITING, mock_cases
+from .conftest import MAX_WAITING, on_the_mock_server
 
 
-@pytest.fixture(scope="module")
-def served(mock_served):
-    """This module's server: the mock engine's (no model; tokens by ``mock_cases``' arithmetic)."""
-    return mock_served
-
-
-@pytest.fixture(scope="module")
-def cases():
-    return mock_cases()
+served, cases = on_the_mock_server()
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 # name -> (prompt, keyword arguments, expected code, words the message must contain)

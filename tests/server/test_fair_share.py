@@ -15,18 +15,10 @@ from jaxserve.client import AsyncClient
 from jaxserve.server import errors
 from jaxserve.server.generations import Generations, client_identity
 
-from .conftest import ENGINE, IDS_B, mock_cases
+from .conftest import ENGINE, IDS_B, on_the_mock_server
 
 
-@pytest.fixture(scope="module")
-def served(mock_served):
-    """This module's server: the mock engine's (no model; tokens by ``mock_cases``' arithmetic)."""
-    return mock_served
-
-
-@pytest.fixture(scope="module")
-def cases():
-    return mock_cases()
+served, cases = on_the_mock_server()
 
 
 def test_a_second_client_is_admitted_before_the_first_clients_backlog(served):

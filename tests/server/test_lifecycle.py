@@ -8,18 +8,10 @@ import pytest
 
 from jaxserve.client import finish_reason
 
-from .conftest import IDS_A, eventually, metric, mock_cases
+from .conftest import IDS_A, eventually, metric, on_the_mock_server
 
 
-@pytest.fixture(scope="module")
-def served(mock_served):
-    """This module's server: the mock engine's (no model; tokens by ``mock_cases``' arithmetic)."""
-    return mock_served
-
-
-@pytest.fixture(scope="module")
-def cases():
-    return mock_cases()
+served, cases = on_the_mock_server()
 
 
 def wait_pages_back(served, timeout=3.0):
