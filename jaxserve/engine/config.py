@@ -35,8 +35,9 @@ class EngineConfig:
                                             "running requests; a client is an API key, else a connection) | fifo "
                                             "(arrival order)", choices=("fair", "fifo"))
     max_slots_per_client: int | None = _field(
-        None, "running requests one client may hold while another client waits (fair scheduling: past it, its "
-              "newest gives way when the batch is full); a lone client may use every slot; 0 = no bound "
+        None, "running requests one client may hold while another client is present (fair scheduling: past it, "
+              "it is not admitted more and its newest gives way to a waiting client when the batch is full); a lone "
+              "client may use every slot; 0 = no bound "
               "(default: half the decode batch, max_num_seqs, rounded up)", type=int)
     enable_prefix_caching: bool = _field(True, "turn the prefix cache off", flag="--no-prefix-caching")
     integrity_check: bool = _field(True, "turn the KV page integrity check off", flag="--no-integrity-check")

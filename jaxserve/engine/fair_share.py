@@ -7,11 +7,15 @@ connection). Two policies:
   under page pressure: the engine's behaviour before clients were known.
 - ``fair``: the next admitted request is the oldest waiting one of the client with the fewest
   running requests (ties: whose oldest request waits longest); a client holding
-  ``max_slots_per_client`` running requests is passed over while another client under the
-  bound waits, and when the decode batch is full a client over the bound gives up its newest
-  running request to it (preempted, recomputed later, its prefix-cache pages kept). Under page
-  pressure the newest request of the client holding the most running requests gives way.
-  A lone client (nobody else waiting) may use every slot: the bound applies only when others wait.
+  ``max_slots_per_client`` running requests is not admitted more while another client is
+  *present* (has a request waiting or running, or had one within the last ``linger_steps``
+  scheduler steps: a client sending one request after another stays present between them),
+  even if slots are free: so a client that floods the engine cannot fill the batch in the gap
+  between another client's requests and make every step of theirs carry its rows. When the
+  decode batch is full a client over the bound gives up its newest running request to a waiting
+  client under it (preempted, recomputed later, its prefix-cache pages kept). Under page pressure
+  the newest request of the client holding the most running requests gives way. A lone client
+  (nobody else present) may use every slot.
 
 Deterministic (no clocks, no randomness) and host-side only, like the scheduler that calls it.
 """
@@ -24,19 +28,23 @@ from typing import Iterable, Sequence as Seq
 from jaxserve.engine.sequence import Sequence
 
 FAIR, FIFO = "fair", "fifo"
+LINGER_STEPS = 32
 POLICIES = (FAIR, FIFO)
 
 
 @dataclasses.dataclass(frozen=True)
 class SharePolicy:
     policy: str = FAIR
-    max_slots_per_client: int = 0  # running requests of one client while others wait; 0 = no bound
+    max_slots_per_client: int = 0  # running requests of one client while others are present; 0 = no bound
+    linger_steps: int = LINGER_STEPS  # steps a client stays present after its last request left
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"client_scheduling must be one of {POLICIES}, got {self.policy!r}")
         if self.max_slots_per_client < 0:
             raise ValueError(f"max_slots_per_client must be >= 0, got {self.max_slots_per_client}")
+        if self.linger_steps < 0:
+            raise ValueError(f"linger_steps must be >= 0, got {self.linger_steps}")
 
     @property
     def fair(self) -> bool:
@@ -54,17 +62,39 @@ def running_counts(running: Iterable[Sequence]) -> collections.Counter:
     return collections.Counter(s.client for s in running)
 
 
-def next_waiting(waiting: Iterable[Sequence], counts: collections.Counter, policy: SharePolicy) -> Sequence | None:
-    """The waiting request to admit next (None when nothing waits); see the module doc."""
+class Presence:
+    """The clients present at each scheduler step: with a request waiting or running, or with
+    one that left within the last ``linger_steps`` steps. Counted in steps, not time, so the
+    scheduler stays deterministic."""
+
+    def __init__(self, linger_steps: int = LINGER_STEPS):
+        self.linger_steps = linger_steps
+        self.step = 0
+        self._last: dict[str, int] = {}  # client -> the last step it had a request in the engine
+
+    def tick(self, waiting: Iterable[Sequence], running: Iterable[Sequence]) -> frozenset[str]:
+        """Advance one step; the clients present in it."""
+        self.step += 1
+        for s in (*waiting, *running):
+            self._last[s.client] = self.step
+        self._last = {c: t for c, t in self._last.items() if self.step - t <= self.linger_steps}
+        return frozenset(self._last)
+
+
+def next_waiting(waiting: Iterable[Sequence], counts: collections.Counter, policy: SharePolicy,
+                 present: frozenset[str] = frozenset()) -> Sequence | None:
+    """The waiting request to admit next (None when nothing waits, or when every waiting
+    client is at its bound while another client is present); see the module doc."""
     heads: dict[str, tuple[int, Sequence]] = {}  # client -> (queue position, its first waiting request)
     for i, seq in enumerate(waiting):
         if not policy.fair:
             return seq
         heads.setdefault(seq.client, (i, seq))
-    if not heads:
+    others = set(present) | set(heads)
+    eligible = [c for c in heads if not policy.at_bound(counts[c]) or not others - {c}]
+    if not eligible:
         return None
-    under = [c for c in heads if not policy.at_bound(counts[c])]
-    best = min(under or heads, key=lambda c: (counts[c], heads[c][0]))
+    best = min(eligible, key=lambda c: (counts[c], heads[c][0]))
     return heads[best][1]
 
 
@@ -78,7 +108,7 @@ def pressure_victim(candidates: Seq[Sequence], counts: collections.Counter, poli
 
 
 def slot_victims(waiting: Seq[Sequence], running: Seq[Sequence], max_running: int, rows: int,
-                 policy: SharePolicy) -> list[Sequence]:
+                 policy: SharePolicy, present: frozenset[str] = frozenset()) -> list[Sequence]:
     """Running requests to preempt now so that the next ``rows`` admissions by ``next_waiting``
     find a slot: one per admission that finds the batch full while its client is under the
     bound and another client is over it (the most loaded client's newest first). A request
@@ -88,7 +118,7 @@ def slot_victims(waiting: Seq[Sequence], running: Seq[Sequence], max_running: in
     counts = running_counts(running)
     queue, free, victims = list(waiting), max_running - len(running), []
     for _ in range(rows):
-        cand = next_waiting(queue, counts, policy)
+        cand = next_waiting(queue, counts, policy, present)
         if cand is None or policy.at_bound(counts[cand.client]):
             break
         queue.remove(cand)

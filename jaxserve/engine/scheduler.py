@@ -11,7 +11,8 @@ Every step the scheduler builds two batches, one per jitted program:
   (``fair_share``: the least-served client's oldest request first, or arrival order under
   ``fifo``). Prefix-cache hits skip the cached pages (``num_computed`` starts past them).
 - fair share: before either batch, a client over ``max_slots_per_client`` running requests
-  gives up its newest to a waiting client under the bound when the decode batch is full.
+  gives up its newest to a waiting client under the bound when the decode batch is full; a
+  client at the bound is not admitted more while another client is present (``fair_share``).
 
 Host-side only (no JAX): the tests drive it directly.
 """
@@ -32,7 +33,7 @@ class SchedulerConfig:
     max_prefill_seqs: int = 4  # prefill rows per step
     prefill_chunk: int = 128  # max new tokens of one sequence in one prefill step
     client_scheduling: str = fair_share.FAIR  # fair | fifo (fair_share)
-    max_slots_per_client: int = 0  # running requests of one client while others wait; 0 = no bound
+    max_slots_per_client: int = 0  # running requests of one client while others are present; 0 = no bound
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs", "prefill_chunk"):
@@ -70,6 +71,8 @@ class Scheduler:
         self.config = config
         self.bm = block_manager
         self.policy = config.share_policy()
+        self.presence = fair_share.Presence(self.policy.linger_steps)
+        self._present: frozenset[str] = frozenset()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, in admission order
         self.num_preemptions = 0  # since start
@@ -82,8 +85,9 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def schedule(self) -> SchedulerOutput:
+        self._present = self.presence.tick(self.waiting, self.running)
         for victim in fair_share.slot_victims(self.waiting, self.running, self.config.max_num_seqs,
-                                              self.config.max_prefill_seqs, self.policy):
+                                              self.config.max_prefill_seqs, self.policy, self._present):
             self.preempt(victim)
         decode = self._schedule_decode()
         imported: list[Sequence] = []
@@ -153,7 +157,10 @@ class Scheduler:
         while self.waiting and len(chunks) < cfg.max_prefill_seqs and budget > 0:
             if len(self.running) >= cfg.max_num_seqs:
                 break
-            seq = fair_share.next_waiting(self.waiting, fair_share.running_counts(self.running), self.policy)
+            seq = fair_share.next_waiting(self.waiting, fair_share.running_counts(self.running), self.policy,
+                                          self._present)
+            if seq is None:
+                break  # every waiting client is at its bound while another is present
             tokens = seq.all_ids[:-1] if seq.output_ids else seq.prompt_ids
             handed = seq.kv_import is not None  # every page is written from the handoff: no prefix hits
             try:

@@ -128,6 +128,40 @@ def test_full_batch_gives_way_to_a_client_under_its_bound():
     assert s.num_preemptions == 1 and len(s.running) == 4
 
 
+def test_a_client_at_its_bound_waits_while_another_is_present():
+    """The churn case between requests: a well-behaved client runs one request at a time. While
+    it is present (running, or gone for fewer than ``linger_steps`` steps) the hog stays at its
+    bound even with slots free, so it cannot fill the batch in the gap between two requests; once
+    the other client has been gone longer than that, the hog may use every slot."""
+    s = make("fair", slots=2, seqs=6, rows=6, tokens=256)
+    good = seq("good")
+    s.add(good)
+    step(s)
+    hog = [seq("hog") for _ in range(10)]
+    for q in hog:
+        s.add(q)
+    step(s, finish={good.request_id})  # the good request ends; its client stays present
+    for _ in range(3):
+        step(s)
+    assert [q.client for q in s.running] == ["hog"] * 2  # four slots stay free
+    s.add(seq("good"))  # its next request finds a slot at once
+    out = step(s)
+    assert [ch.seq.client for ch in out.prefill] == ["good"] and s.num_preemptions == 0
+    for q in [q for q in s.running if q.client == "good"]:
+        s.finish(q, "stop")
+    for _ in range(fair_share.LINGER_STEPS + 1):
+        step(s)
+    assert len(s.running) == 6 and {q.client for q in s.running} == {"hog"}
+
+
+def test_presence_counts_steps():
+    p = fair_share.Presence(linger_steps=2)
+    a = seq("a")
+    assert p.tick([a], []) == {"a"}
+    assert p.tick([], []) == {"a"} and p.tick([], []) == {"a"}
+    assert p.tick([], []) == frozenset()
+
+
 def test_fifo_never_preempts_for_a_client():
     s = make("fifo", slots=2, seqs=4, rows=4, tokens=256)
     for _ in range(12):
