@@ -19,8 +19,9 @@ from jaxserve.server.auth import ApiKeys
 from jaxserve.server.engine_loop import EngineLoop, RequestStream
 from jaxserve.server.errors import ServeError
 from jaxserve.server.events import Failed
-from jaxserve.server.generations import Generations
+from jaxserve.server.generations import Generations, client_identity
 from jaxserve.server.limits import ServeLimits, StreamSlots, watch_unread
+from jaxserve.server.refusals import RefusalBudget
 
 LARGE_TEXT_CHARS = 65536  # texts this long are tokenized on the LARGE_TEXT_WORKERS pool
 LARGE_TEXT_WORKERS = 2
@@ -40,6 +41,7 @@ class ServingCore:
         self.keys = keys or ApiKeys()
         self.limits = (limits or ServeLimits()).resolved(info.max_context)
         self.slots = StreamSlots(self.limits)
+        self.refusals = RefusalBudget(self.limits.client_refusal_rate)
         self.generations = Generations(engine_loop, metrics, max_waiting, info.max_num_seqs,
                                        self.limits.max_queued_per_client)
         self._large_texts = concurrent.futures.ThreadPoolExecutor(LARGE_TEXT_WORKERS, "jaxserve-tokenize")
@@ -65,6 +67,22 @@ class ServingCore:
     def identity(self, metadata) -> str | None:
         """The caller's identity from its headers (None: a key is required and missing or wrong)."""
         return self.keys.identity(metadata)
+
+    def at_door(self, owner: str, peer: str) -> str:
+        """The caller's refusal bucket (``refusals``), or RESOURCE_EXHAUSTED / 429 when it is
+        empty: checked before a request's body is read or looked at. Only with API keys."""
+        if not self.keys.enabled:
+            return ""
+        key = client_identity(owner, peer)
+        wait = self.refusals.closed_for(key)
+        if wait is not None:
+            raise errors.refused_at_door(wait)
+        return key
+
+    def count_refusal(self, key: str, error: BaseException) -> None:
+        """A request of the caller's ``key`` was refused with ``error``: counted when it was its fault."""
+        if key and isinstance(error, ServeError) and error.client_fault:
+            self.refusals.refused(key)
 
     def check_id(self, kind: str, value: str) -> str:
         return convert.check_id(kind, value, self.max_id_length)

@@ -30,13 +30,19 @@ INTEGRITY_CAUSE_KEY = "x-jaxserve-integrity-cause"
 RpcStatus, RetryInfo = status_pb2.Status, error_details_pb2.RetryInfo
 
 
+CLIENT_FAULT_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                                grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE})
+
+
 class ServeError(Exception):
     """A failure with its gRPC status code; `outcome` is the metrics label."""
 
     def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None,
                  trailers: tuple[tuple[str, str], ...] = (), param: str | None = None,
-                 http_status: int | None = None):
+                 http_status: int | None = None, client_fault: bool | None = None):
         super().__init__(message)
+        # The client's own doing (counted by ``refusals``): by default the codes that say so.
+        self.client_fault = code in CLIENT_FAULT_CODES if client_fault is None else client_fault
         self.http_status = http_status  # the HTTP API's status where the code's usual one is not apt
         self.param = param  # the request field at fault, when one is (the HTTP API reports it)
         self.code = code
@@ -101,7 +107,21 @@ def client_queue_full(waiting: int, limit: int, retry_after_s: float) -> ServeEr
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         f"this client has {waiting} requests waiting; the limit while other clients are served is {limit} "
         f"(--max-queued-per-client); retry after {retry_after_s:.2f}s",
-        retry_after_s=retry_after_s,
+        retry_after_s=retry_after_s, client_fault=True,
+    )
+
+
+class DoorClosed(ServeError):
+    """``refused_at_door``: the HTTP API also closes the connection (the body is never read)."""
+
+
+def refused_at_door(retry_after_s: float) -> ServeError:
+    """A client whose requests keep being refused (``refusals``): RESOURCE_EXHAUSTED, HTTP 429."""
+    return DoorClosed(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"too many of this client's requests were refused (invalid, too large or over its queue bound) "
+        f"(--client-refusal-rate); retry after {retry_after_s:.2f}s",
+        retry_after_s=retry_after_s, http_status=429, client_fault=False,
     )
 
 

@@ -50,6 +50,9 @@ class ServeLimits:
     # --max-queued-per-client: requests one client may have waiting while another client has
     # requests in flight (0 = no bound; a lone client may fill the whole queue).
     max_queued_per_client: int = 64
+    # --client-refusal-rate: refusals a second one client may cause before its next requests are
+    # refused at the door (``refusals``; 0 = no bound).
+    client_refusal_rate: float = 10.0
 
     def __post_init__(self):
         lowest = dict(max_stop_strings=0, max_stop_bytes=0, max_stop_token_ids=0, max_streams_per_peer=1,
@@ -60,6 +63,8 @@ class ServeLimits:
         for name in ("max_prompt_bytes", "max_messages", "max_body_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.client_refusal_rate >= 0:
+            raise ValueError(f"client_refusal_rate must be >= 0, got {self.client_refusal_rate}")
         if not self.stream_idle_timeout_s > 0:
             raise ValueError(f"stream_idle_timeout_s must be > 0, got {self.stream_idle_timeout_s}")
 

@@ -101,7 +101,10 @@ class OpenAIFrontEnd:
                 log.exception("%s failed", label)
                 e = errors.internal(e)
             self.core.metrics.requests.labels(label, e.outcome).inc()
-            return error_response(e)
+            response = error_response(e)
+            if isinstance(e, errors.DoorClosed):  # its body is not read: the connection ends here
+                response.headers["connection"] = "close"
+            return response
         headers = {REQUEST_ID_HEADER: stream.request_id, REPLICA_HEADER: self.core.info.replica_id}
         if session:
             headers[SESSION_HEADER] = session
@@ -128,9 +131,18 @@ class OpenAIFrontEnd:
 
     async def _submit(self, request: Request, parse, peer: str):
         """Check and submit one request -> (parsed request, stream, agent plan, session id); raises
-        (ServeError, ClientDisconnect, ...) having submitted nothing and holding no stream slot."""
-        arrival, core = time.perf_counter(), self.core
-        owner = self._owner(request)
+        (ServeError, ClientDisconnect, ...) having submitted nothing and holding no stream slot.
+        A caller refused too often is refused here before its body is read (``refusals``)."""
+        arrival, owner = time.perf_counter(), self._owner(request)
+        door = self.core.at_door(owner, peer)
+        try:
+            return await self._checked_submit(request, parse, peer, arrival, owner)
+        except ServeError as e:
+            self.core.count_refusal(door, e)
+            raise
+
+    async def _checked_submit(self, request: Request, parse, peer: str, arrival: float, owner: str):
+        core = self.core
         req = parse(await self._body(request), core.limits.max_messages)
         if req.model != self.model_name:
             raise errors.not_found(f"the model {req.model!r} does not exist; this server serves "

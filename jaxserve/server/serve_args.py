@@ -90,6 +90,11 @@ def add_limit_args(p) -> None:
                    help=f"requests one client (an API key, else a connection) may have waiting for admission while "
                         f"another client has requests in flight, before RESOURCE_EXHAUSTED; a lone client may fill "
                         f"--max-waiting (0 = no bound; default {d.max_queued_per_client})")
+    p.add_argument("--client-refusal-rate", type=float, default=d.client_refusal_rate,
+                   help=f"refused requests (invalid, too large, over --max-queued-per-client) a second one client "
+                        f"(an API key, else a host) may cause, with a burst of twice that; past it the client's next "
+                        f"requests are refused at the door, before their body is read, with RESOURCE_EXHAUSTED / "
+                        f"HTTP 429 and a retry hint (0 = no bound; default {d.client_refusal_rate:g})")
     p.add_argument("--max-streams", type=int, default=d.max_streams,
                    help=f"open GenerateStream calls in total before RESOURCE_EXHAUSTED (default {d.max_streams})")
     p.add_argument("--stream-idle-timeout", type=float, default=d.stream_idle_timeout_s,
@@ -130,4 +135,5 @@ def limits_from(args):
                        max_streams_per_peer=args.max_streams_per_connection, max_streams=args.max_streams,
                        stream_idle_timeout_s=args.stream_idle_timeout, max_messages=args.max_messages,
                        max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
-                       max_queued_per_client=args.max_queued_per_client)
+                       max_queued_per_client=args.max_queued_per_client,
+                       client_refusal_rate=args.client_refusal_rate)

@@ -182,8 +182,18 @@ class JaxServeService(pb_grpc.JaxServeServicer):
 
     async def _submit(self, req: pb.GenerateRequest, context, handoff: dict | None = None):
         """Validate and submit -> (stream, its AgentOutput or None); raises ServeError (nothing is
-        submitted then). handoff: the engine's KV handoff arguments (export_kv / kv_import)."""
-        arrival, core = time.perf_counter(), self.core
+        submitted then). handoff: the engine's KV handoff arguments (export_kv / kv_import). A
+        caller refused too often is refused first, before any check (``refusals``)."""
+        arrival = time.perf_counter()
+        door = self.core.at_door(self.core.identity(context.invocation_metadata()) or "", context.peer() or "")
+        try:
+            return await self._checked_submit(req, context, handoff, arrival)
+        except ServeError as e:
+            self.core.count_refusal(door, e)
+            raise
+
+    async def _checked_submit(self, req: pb.GenerateRequest, context, handoff: dict | None, arrival: float):
+        core = self.core
         headers = {k: v for k, v in (context.invocation_metadata() or ())}
         # Ids are echoed in response headers: checked first, so a bad one never runs.
         rid = core.check_id("request_id", req.request_id)

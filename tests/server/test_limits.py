@@ -197,10 +197,10 @@ def test_every_limit_is_a_serve_flag_with_the_documented_default():
     assert limits_from(parser.parse_args(["serve"])) == ServeLimits()
     flags = ["--max-prompt-bytes", "100", "--max-stop-strings", "3", "--max-stop-bytes", "50",
              "--max-stop-token-ids", "4", "--max-streams-per-connection", "5", "--max-streams", "6",
-             "--stream-idle-timeout", "2.5", "--max-queued-per-client", "7"]
+             "--stream-idle-timeout", "2.5", "--max-queued-per-client", "7", "--client-refusal-rate", "3.5"]
     assert limits_from(parser.parse_args(["serve", *flags])) == ServeLimits(
         max_prompt_bytes=100, max_stop_strings=3, max_stop_bytes=50, max_stop_token_ids=4, max_streams_per_peer=5,
-        max_streams=6, stream_idle_timeout_s=2.5, max_queued_per_client=7)
+        max_streams=6, stream_idle_timeout_s=2.5, max_queued_per_client=7, client_refusal_rate=3.5)
     with pytest.raises(ValueError, match="max_queued_per_client"):
         limits_from(parser.parse_args(["serve", "--max-queued-per-client", "-1"]))
     with pytest.raises(ValueError, match="max_streams_per_peer"):

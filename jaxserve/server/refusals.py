@@ -1,0 +1,61 @@
+"""Refusal back-off: a client whose requests keep being refused is refused at the door.
+
+Every bound at the edge (body size, JSON depth, message count, the per-client queue) refuses a
+bad request cheaply, but not for free: a 10,000-message chat is received and parsed before its
+count is known, and a client can send them in a loop. Each refusal a client causes (its fault:
+invalid, too large, not found, over its own queue bound) takes a token from that client's
+bucket, which refills at ``rate`` tokens a second up to ``burst``. With the bucket empty the
+client's next requests are refused at the door, before their HTTP body is read (gRPC: before any
+check of the message), with RESOURCE_EXHAUSTED / HTTP 429 and the time until a token is back; refusals at
+the door take nothing more. A client that is never refused never meets the bound, and one that
+stops misbehaving is served again after ``1 / rate`` seconds.
+
+A client is the caller's API key identity, so the bound applies only when the server has keys
+(the multi-tenant setting). Without keys the only identity is a connection, which is either
+shared (every client behind a router or proxy comes over its few connections, and one of them
+could close the door on all) or renewed at will (a new connection per request gets a full
+bucket): neither is worth a bound. Event loop only (no locks).
+"""
+from __future__ import annotations
+
+import time
+
+MAX_TRACKED = 4096  # buckets kept before the full ones are forgotten
+
+
+class RefusalBudget:
+    """Per-client token buckets of refusals (see the module doc); rate 0 turns the bound off."""
+
+    def __init__(self, rate: float, burst: float | None = None, clock=time.monotonic):
+        if rate < 0:
+            raise ValueError(f"the refusal rate must be >= 0, got {rate}")
+        self.rate = float(rate)
+        self.burst = float(burst if burst is not None else max(1.0, 2 * rate))
+        if self.rate and self.burst < 1:
+            raise ValueError(f"the refusal burst must be >= 1, got {self.burst}")
+        self._clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, at)
+
+    @property
+    def on(self) -> bool:
+        return self.rate > 0
+
+    def _tokens(self, client: str, now: float) -> float:
+        tokens, at = self._buckets.get(client, (self.burst, now))
+        return min(self.burst, tokens + (now - at) * self.rate)
+
+    def closed_for(self, client: str) -> float | None:
+        """Seconds until ``client`` may be served again, or None when its door is open."""
+        if not self.on or client not in self._buckets:
+            return None
+        tokens = self._tokens(client, self._clock())
+        return None if tokens >= 1 else (1 - tokens) / self.rate
+
+    def refused(self, client: str) -> None:
+        """Count one refusal of ``client``'s."""
+        if not self.on:
+            return
+        now = self._clock()
+        self._buckets[client] = (self._tokens(client, now) - 1, now)
+        if len(self._buckets) > MAX_TRACKED:
+            self._buckets = {c: (t, a) for c, (t, a) in self._buckets.items() if self._tokens(c, now) < self.burst}
