@@ -68,21 +68,21 @@ class ServingCore:
         """The caller's identity from its headers (None: a key is required and missing or wrong)."""
         return self.keys.identity(metadata)
 
-    def at_door(self, owner: str, peer: str) -> str:
-        """The caller's refusal bucket (``refusals``), or RESOURCE_EXHAUSTED / 429 when it is
-        empty: checked before a request's body is read or looked at. Only with API keys."""
-        if not self.keys.enabled:
-            return ""
-        key = client_identity(owner, peer)
-        wait = self.refusals.closed_for(key)
+    async def past_the_door(self, owner: str, peer: str, checks):
+        """``await checks()`` (a request's checks and submission) for a caller whose refusal
+        bucket (``refusals``; API keys only) is not empty, else RESOURCE_EXHAUSTED / 429 before
+        anything of the request is read; a refusal ``checks`` raises that is the caller's fault
+        is counted against it."""
+        key = client_identity(owner, peer) if self.keys.enabled else ""
+        wait = self.refusals.closed_for(key) if key else None
         if wait is not None:
             raise errors.refused_at_door(wait)
-        return key
-
-    def count_refusal(self, key: str, error: BaseException) -> None:
-        """A request of the caller's ``key`` was refused with ``error``: counted when it was its fault."""
-        if key and isinstance(error, ServeError) and error.client_fault:
-            self.refusals.refused(key)
+        try:
+            return await checks()
+        except ServeError as e:
+            if key and e.client_fault:
+                self.refusals.refused(key)
+            raise
 
     def check_id(self, kind: str, value: str) -> str:
         return convert.check_id(kind, value, self.max_id_length)

@@ -184,13 +184,9 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         """Validate and submit -> (stream, its AgentOutput or None); raises ServeError (nothing is
         submitted then). handoff: the engine's KV handoff arguments (export_kv / kv_import). A
         caller refused too often is refused first, before any check (``refusals``)."""
-        arrival = time.perf_counter()
-        door = self.core.at_door(self.core.identity(context.invocation_metadata()) or "", context.peer() or "")
-        try:
-            return await self._checked_submit(req, context, handoff, arrival)
-        except ServeError as e:
-            self.core.count_refusal(door, e)
-            raise
+        arrival, owner = time.perf_counter(), self.core.identity(context.invocation_metadata()) or ""
+        return await self.core.past_the_door(owner, context.peer() or "",
+                                             lambda: self._checked_submit(req, context, handoff, arrival))
 
     async def _checked_submit(self, req: pb.GenerateRequest, context, handoff: dict | None, arrival: float):
         core = self.core
