@@ -70,15 +70,16 @@ class SpeculativeDecoder:
 
     def observe(self, rec) -> None:
         """A step observer (``LLMEngine.add_step_observer``): the decode and verify calls' times."""
-        if rec.phase in ("decode", "verify"):
+        if rec.phase in ("decode", "verify", "draft"):
             key = (rec.phase, rec.batch)
             old = self._seconds.get(key)
             self._seconds[key] = rec.seconds if old is None else 0.8 * old + 0.2 * rec.seconds
 
     def cost_ratio(self, batch: int) -> float:
-        """A verify call's wall time in decode calls at this bucket (1.0 until both are measured)."""
+        """A verify call's wall time (with its draft call, MTP) in decode calls at this bucket
+        (1.0 until both are measured)."""
         v, d = self._seconds.get(("verify", batch)), self._seconds.get(("decode", batch))
-        return v / d if v and d else 1.0
+        return (v + self._seconds.get(("draft", batch), 0.0)) / d if v and d else 1.0
 
     def totals(self) -> dict:
         """The engine's figures since start, as ``EngineSnapshot`` fields."""
@@ -113,12 +114,18 @@ class SpeculativeDecoder:
             s.draft_ids = []
         return False
 
-    def verify(self, decode, run, emit, events) -> None:
+    def verify(self, decode, run, emit, events, draft=None) -> None:
         """One verify call over every decode row (``run(rows)``: its last token and its drafts,
         KV written for all), the acceptance, then each row's tokens emitted in order
         (``emit(seq, token, logprob, top, now, events)`` -> finished: a stop inside the run ends
-        it) and the rejected drafts' pages rolled back."""
+        it) and the rejected drafts' pages rolled back. A proposer ``on_device`` has its drafts
+        computed first by ``draft(rows)`` (the draft program call)."""
         self._bucket = bucket(len(decode))
+        if self.proposer.on_device:
+            self._device_drafts(decode, draft)
+            decode = [s for s in decode if not s.finished]  # a row the draft call's check failed is aborted
+            if not decode:
+                return
         res = run([(s, [s.output_ids[-1]] + s.draft_ids, s.total_len - 1) for s in decode])
         live = [(i, s) for i, s in enumerate(decode) if res.ok[i] and not s.finished]
         now = time.perf_counter()
@@ -131,6 +138,14 @@ class SpeculativeDecoder:
                 s.num_computed = s.total_len - 1  # the last token and the accepted drafts were written
                 self.bm.commit_full_pages(s.request_id, s.all_ids[: s.num_computed])
                 self.rollback(s)
+
+    def _device_drafts(self, decode, draft) -> None:
+        """Fill each row's reserved draft slots from one draft program call: the row's newest
+        token and its slots, from the position before it (whose hidden state is stored)."""
+        res = draft([(s, [s.output_ids[-1]] + s.draft_ids, s.total_len - 2) for s in decode])
+        tokens = np.asarray(res.logits)  # the draft program's first output: int32 [B, k]
+        for i, s in enumerate(decode):
+            s.draft_ids = tokens[i, : len(s.draft_ids)].tolist() if res.ok[i] else []
 
     def accept(self, logits, rows) -> list[tuple[list[int], list[float], list]]:
         """rows: (logits row, Sequence) of one verify call -> per row (tokens to emit: accepted
