@@ -180,8 +180,8 @@ class ModelRunner:
                       verify_tokens: int = 0) -> list:
         """Every serving program's ``ProgramSpec``: the checked step per bucket (largest first; no
         decode bucket for a worker without decode weights; with ``verify_tokens`` (speculative
-        decoding's k + 1) a verify bucket per decode bucket, and a draft one with the MTP block), and the generation update at every
-        padded size."""
+        decoding's k + 1) a verify bucket per decode bucket, and a draft one with the MTP block), and
+        the generation update at every padded size."""
         if "decode" not in self.phase_params:
             decode_batches = []
         shapes = [("decode", b, 1) for b in decode_batches] + [("prefill", b, t) for b, t in prefill_shapes]

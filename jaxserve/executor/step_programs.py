@@ -1,9 +1,10 @@
 """The runner's jitted programs over the KV pools: the checked step per phase ("prefill",
 "decode", "verify": the decode weights with logits at every position, speculative decoding's
 check of draft tokens, "draft": the decode weights' MTP block proposing those tokens, its first
-output the drafts int32 [B, T - 1] in place of logits), its scoring variant (logits at every position), the unchecked forward
-(tests and scoring), the generation update; each jitted once (one executable per bucket), KV
-donated, traced with the runner's matmul backend and, in batch-invariant mode, fixed row tiles.
+output the drafts int32 [B, T - 1] in place of logits), its scoring variant (logits at every
+position), the unchecked forward (tests and scoring), the generation update; each jitted once
+(one executable per bucket), KV donated, traced with the runner's matmul backend and, in
+batch-invariant mode, fixed row tiles.
 
 It also gives the ``ProgramSpec`` of every serving program (for ahead-of-time builds into a
 ``ProgramSet``) and ``lower`` (any bucket for inspection, any platform). Programs take their

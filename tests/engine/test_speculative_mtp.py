@@ -66,11 +66,15 @@ def run_on_off(llm, prompts, sp):
 @pytest.mark.parametrize("ckpt,kv_format,k", [("kimi", "bf16", 2), ("successor", "fp8_e4m3", 3),
                                               ("successor", "bf16", 1)])
 def test_greedy_tokens_identical_with_mtp(ckpt, kv_format, k, request):
+    """k = 1 also with chunked prefill (16-token chunks of a 40-token prompt) and that prompt
+    twice (n = 2 greedy: the second shares the first's cached pages)."""
     path = KIMI if ckpt == "kimi" else request.getfixturevalue("successor")[0]
-    llm = LLM(path, kv_format=kv_format, speculative="mtp", num_speculative_tokens=k, **KW)
+    chunked = dict(prefill_chunk=16, max_num_batched_tokens=16) if k == 1 else {}
+    llm = LLM(path, kv_format=kv_format, speculative="mtp", num_speculative_tokens=k, **KW, **chunked)
     spec = llm.engine.spec
     rng = np.random.RandomState(5)
-    prompts = [[int(x) for x in rng.randint(2, 512, size=m)] for m in (7, 10, 3)]
+    prompts = [[int(x) for x in rng.randint(2, 512, size=m)] for m in ((7, 10, 3, 40) if k == 1 else (7, 10, 3))]
+    prompts += prompts[-1:] if k == 1 else []
     sp = SamplingParams(max_tokens=18, ignore_eos=True, logprobs=0)
     want, got = run_on_off(llm, prompts, sp)
     for a, b in zip(want, got):
