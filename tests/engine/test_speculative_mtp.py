@@ -112,3 +112,17 @@ def test_mtp_refused_without_mtp_layers(tiny_ckpt, tmp_path):
     json.dump(cfg, open(tmp_path / "config.json", "w"))
     with pytest.raises(ConfigError, match=r"no MTP layers \(config.json num_nextn_predict_layers = 0\)"):
         LLM(str(tmp_path), speculative="mtp", **KW)
+
+
+def test_mtp_block_in_the_decode_weight_format():
+    """int8 decode weights: the block's matmul weights (eh_proj, its layer, the head) are stored
+    in the decode format like every layer's, and greedy output is still the same on and off."""
+    llm = LLM(KIMI, decode_weights="int8", speculative="mtp", num_speculative_tokens=2, **KW)
+    rows = {r.name: r.format for r in llm.runner.weight_path_rows()["decode"]}
+    mtp = {n: f for n, f in rows.items() if n.startswith("mtp/")}
+    for name in ("mtp/eh_proj", "mtp/head", "mtp/layer/attn/q_b", "mtp/layer/mlp/w_up"):
+        assert mtp[name] == rows["layers/1/attn/q_b"] != "bf16", (name, mtp)
+    prompts = [[5, 9, 77, 300, 41], [8, 8, 200]]
+    want, got = run_on_off(llm, prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert [list(c) for c in got] == [list(c) for c in want]
+    assert llm.engine.spec.drafted > 0
