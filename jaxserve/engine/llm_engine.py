@@ -201,10 +201,9 @@ class LLMEngine:
             self.rows.sample(res.logits, to_sample, events)
         decode = [s for s in sched.decode if not s.finished]
         verify = self._verify_bucket(len(decode)) if decode and self.spec is not None else None
-        constrained = any(s.grammar is not None for s in decode)  # drafts are not grammar-checked: no speculation
-        if decode and self.spec is not None and not constrained and self.spec.verifies(decode, verify):
+        if decode and self.spec is not None and self.spec.verifies(decode, verify):
             self.spec.verify(decode, lambda rows: self.calls.run("verify", rows, *verify), self.rows.emit, events,
-                             draft=lambda rows: self.calls.run("draft", rows, *verify))
+                             draft=lambda rows: self.calls.run("draft", rows, *verify), constraints=self.constraints)
         elif decode:
             rows = [(s, [s.output_ids[-1]], s.total_len - 1) for s in decode]
             masks = self.constraints.prefetch(decode)  # on a worker thread while the device runs the step

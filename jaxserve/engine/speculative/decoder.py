@@ -114,22 +114,26 @@ class SpeculativeDecoder:
             s.draft_ids = []
         return False
 
-    def verify(self, decode, run, emit, events, draft=None) -> None:
+    def verify(self, decode, run, emit, events, draft=None, constraints=None) -> None:
         """One verify call over every decode row (``run(rows)``: its last token and its drafts,
         KV written for all), the acceptance, then each row's tokens emitted in order
         (``emit(seq, token, logprob, top, now, events)`` -> finished: a stop inside the run ends
         it) and the rejected drafts' pages rolled back. A proposer ``on_device`` has its drafts
-        computed first by ``draft(rows)`` (the draft program call)."""
+        computed first by ``draft(rows)`` (the draft program call). A row with a grammar
+        (``constraints``: the engine's ``Constraints``) has its drafts cut before the first one
+        the grammar forbids, and every position's mask applied in the acceptance."""
         self._bucket = bucket(len(decode))
         if self.proposer.on_device:
             self._device_drafts(decode, draft)
             decode = [s for s in decode if not s.finished]  # a row the draft call's check failed is aborted
             if not decode:
                 return
+        masks = self._grammar_masks(decode, constraints)
         res = run([(s, [s.output_ids[-1]] + s.draft_ids, s.total_len - 1) for s in decode])
         live = [(i, s) for i, s in enumerate(decode) if res.ok[i] and not s.finished]
         now = time.perf_counter()
-        for (_, s), (toks, lps, tops) in zip(live, self.accept(res.logits, live) if live else []):
+        accepted = self.accept(res.logits, live, masks) if live else []
+        for (_, s), (toks, lps, tops) in zip(live, accepted):
             s.draft_ids = []
             for tok, lp, top in zip(toks, lps, tops):
                 if emit(s, tok, lp, top, now, events):
@@ -147,9 +151,23 @@ class SpeculativeDecoder:
         for i, s in enumerate(decode):
             s.draft_ids = tokens[i, : len(s.draft_ids)].tolist() if res.ok[i] else []
 
-    def accept(self, logits, rows) -> list[tuple[list[int], list[float], list]]:
+    def _grammar_masks(self, decode, constraints) -> dict[int, np.ndarray]:
+        """Decode row -> its masks [drafts + 1, words], for the rows a grammar constrains (their
+        drafts cut where the grammar forbids one)."""
+        masks = {}
+        if constraints is None:
+            return masks
+        for i, s in enumerate(decode):
+            if s.grammar is not None:
+                s.draft_ids, m = constraints.draft_masks(s, s.draft_ids)
+                if m is not None:
+                    masks[i] = m
+        return masks
+
+    def accept(self, logits, rows, masks=None) -> list[tuple[list[int], list[float], list]]:
         """rows: (logits row, Sequence) of one verify call -> per row (tokens to emit: accepted
-        drafts then the correction / bonus token, their log-probs, top log-probs or None)."""
+        drafts then the correction / bonus token, their log-probs, top log-probs or None).
+        masks: logits row -> grammar masks [positions, words] (``_grammar_masks``)."""
         b = bucket(len(rows))
         t = self.verify_tokens
         idx, nd, drafts = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros((b, t - 1), np.int32)
@@ -166,6 +184,12 @@ class SpeculativeDecoder:
         n_lp = max(((s.params.logprobs or 0) for _, s in rows), default=0)
         n_lp = 0 if all(s.params.logprobs is None for _, s in rows) else bucket(max(n_lp, 1))
         greedy = all(s.params.greedy for _, s in rows)
+        if masks:
+            m = np.full((b, t, next(iter(masks.values())).shape[1]), -1, np.int32)
+            for j, (i, _) in enumerate(rows):
+                if i in masks:
+                    m[j, : len(masks[i])] = masks[i]
+            extra["masks"] = m
         out = verify_rows(logits, idx, drafts, nd, temp, top_k, top_p, min_p, seeds, steps, **extra,
                           all_greedy=greedy, penalties=penalties, num_logprobs=n_lp)
         accepted, tokens, lp, top_ids, top_lp = map(np.asarray, out)
