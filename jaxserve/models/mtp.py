@@ -20,6 +20,11 @@ the block one position behind its own tokens (``shifted``: the tokens of a step 
 "next tokens" of the positions just before them), so the block's KV is always written for every
 position whose next token is known; the draft program (``CausalLM.draft``) then adds the
 position of the newest token and chains.
+
+The block's KV at a position depends on the token after it, so a step starting at c rewrites
+position c - 1 with its own next token: after a prefix-cache hit that slot is on a shared page,
+and a request sharing it may draft differently afterwards. Only drafts change, never output
+tokens (verification decides every token).
 """
 from __future__ import annotations
 

@@ -126,3 +126,18 @@ def test_mtp_block_in_the_decode_weight_format():
     want, got = run_on_off(llm, prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert [list(c) for c in got] == [list(c) for c in want]
     assert llm.engine.spec.drafted > 0
+
+
+def test_auto_off_counts_the_draft_call_in_a_verify_step():
+    """The cost a verify step is weighed against: its verify call and, with MTP, its draft call,
+    in decode calls of the same bucket (the engine's step records)."""
+    from jaxserve.engine.outputs import StepRecord
+    from jaxserve.engine.speculative.decoder import SpeculativeDecoder
+    from jaxserve.engine.speculative.mtp import MtpProposer
+
+    dec = SpeculativeDecoder(MtpProposer(2), 512, 64, None, 0.3)
+    assert dec.cost_ratio(4) == 1.0  # nothing measured yet
+    for phase, seconds in (("decode", 0.010), ("verify", 0.015), ("draft", 0.005)):
+        dec.observe(StepRecord(phase, 3, 3, 4, 1, 3, seconds))
+    assert dec.cost_ratio(4) == pytest.approx(2.0)
+    assert MtpProposer(3).propose([1, 2, 3], 2) == [0, 0]  # placeholders: slots the draft program fills
