@@ -189,7 +189,7 @@ def mtp_config(path, cfg: ModelConfig, index) -> ModelConfig:
     arch, n = get_architecture(cfg), cfg.num_hidden_layers
     if not arch.mtp:
         raise ConfigError(f"--speculative mtp: {cfg.architecture} checkpoints' MTP layers are not supported "
-                          "(DeepseekV3ForCausalLM only); use --speculative ngram")
+                          "(DeepseekV3ForCausalLM and GlmMoeDsaForCausalLM only); use --speculative ngram")
     if cfg.num_nextn_predict_layers < 1:
         raise ConfigError(f"--speculative mtp: {path} has no MTP layers (config.json num_nextn_predict_layers = "
                           f"{cfg.num_nextn_predict_layers}); use --speculative ngram")

@@ -68,7 +68,7 @@ class EngineConfig:
     speculative: str | None = _field(None, "speculative decoding: ngram (prompt lookup: draft the tokens that "
                                            "followed the latest earlier match of the last n tokens; lossless) | mtp "
                                            "(the checkpoint's multi-token-prediction layer drafts, chained for k > 1: "
-                                           "DeepSeek-V3 / Kimi K2 checkpoints with num_nextn_predict_layers > 0; "
+                                           "DeepSeek-V3 / Kimi K2 / GLM-5 checkpoints with num_nextn_predict_layers > 0; "
                                            "lossless) (default: off)", type=str,
                                      choices=("ngram", "mtp"))
     num_speculative_tokens: int = _field(4, "draft tokens per request per verify step (--speculative)")

@@ -1,6 +1,7 @@
-"""The multi-token-prediction (MTP) block of DeepSeek-V3-architecture checkpoints
-(``num_nextn_predict_layers`` > 0; the extra layer ``model.layers.{num_hidden_layers}.*``),
-the draft model of ``--speculative mtp``.
+"""The multi-token-prediction (MTP) block of DeepSeek-V3-architecture checkpoints (DeepSeek-V3 /
+Kimi K2; GLM-5, whose MTP layer is a DSA layer with its own indexer) (``num_nextn_predict_layers``
+> 0; the extra layer ``model.layers.{num_hidden_layers}.*``), the draft model of
+``--speculative mtp``.
 
 At position p it reads the main model's final hidden state h_p (after the final norm: what
 the head reads) and the embedding of the token that follows p, and predicts the token after
@@ -57,7 +58,8 @@ class MTPBlock(nnx.Module):
     def hidden(self, embeds, h_prev, rope, step: StepInput, kv, fmt, page_size: int, backend):
         """embeds [B, T, D] (of the next tokens), h_prev [B, T, D] -> (g [B, T, D], the layer's KV)."""
         x = jnp.concatenate([self.enorm(embeds), self.hnorm(h_prev)], axis=-1)
-        return self.layer(linear(x, self.eh_proj).astype(embeds.dtype), rope, step, kv, fmt, page_size, backend)
+        out = self.layer(linear(x, self.eh_proj).astype(embeds.dtype), rope, step, kv, fmt, page_size, backend)
+        return out[0], out[1]  # (a DSA layer also returns its selection)
 
     def logits(self, g):
         """g [..., D] -> draft logits f32 [..., V] (padded ids cut off)."""

@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from hf_models import add_mtp_layer, build_glm_moe_dsa
 from jaxserve import LLM
 from jaxserve.config import ConfigError
 from jaxserve.engine.sampling_params import SamplingParams
@@ -98,6 +99,21 @@ def test_greedy_tokens_identical_with_mtp(ckpt, kv_format, k, request):
         assert spec.accepted <= spec.drafted
     assert llm.engine.snapshot().integrity_mismatches == {}
     assert llm.engine.bm.num_used_pages == 0
+
+
+def test_greedy_tokens_identical_with_glm5_mtp(tmp_path_factory):
+    """GLM-5 (DSA): its MTP layer is a full DSA layer with its own indexer; prompts longer than
+    index_topk, so every layer, the block's included, attends sparsely."""
+    path = tmp_path_factory.mktemp("glm5_mtp")
+    build_glm_moe_dsa(path, num_hidden_layers=2, seed=2, indexer_types=["full", "full"])
+    add_mtp_layer(path)
+    llm = LLM(str(path), kv_format="bf16", speculative="mtp", num_speculative_tokens=2, **KW)
+    assert llm.runner.cfg.mtp_layers == 1 and llm.engine.cfg.index_topk < 20
+    rng = np.random.RandomState(6)
+    prompts = [[int(x) for x in rng.randint(2, 256, size=m)] for m in (21, 12)]
+    want, got = run_on_off(llm, prompts, SamplingParams(max_tokens=14, ignore_eos=True))
+    assert [list(c) for c in got] == [list(c) for c in want]
+    assert llm.engine.spec.drafted > 0 and llm.engine.bm.num_used_pages == 0
 
 
 def test_mtp_refused_without_mtp_layers(tiny_ckpt, tmp_path):

@@ -1,13 +1,15 @@
-"""The DeepSeek-V3 multi-token-prediction block (``jaxserve.models.mtp``) of the tiny Kimi
-checkpoint against an independent reference of its definition: the block's own arithmetic in
+"""The multi-token-prediction block (``jaxserve.models.mtp``) of the tiny Kimi checkpoint and of a
+tiny GLM-5 one against an independent reference of its definition: the block's own arithmetic in
 numpy (enorm / hnorm, the concatenation [embedding, hidden], eh_proj, the shared head) around
-transformers' DeepseekV3 decoder layer loaded with the MTP layer's weights, fed the main
-model's final hidden states as transformers computes them."""
+transformers' decoder layer of the family (DeepseekV3; GlmMoeDsa: a full DSA layer with its
+indexer) loaded with the MTP layer's weights, fed the main model's final hidden states as
+transformers computes them."""
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from hf_models import add_mtp_layer, build_glm_moe_dsa
 from jaxserve.kv.formats import get_kv_format
 from jaxserve.loader import load_model
 from jaxserve.models.attention_backends import XLA
@@ -21,18 +23,36 @@ def rms(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-@pytest.fixture(scope="module")
-def reference():
-    """(main model, MTP decoder layer as transformers builds it, the MTP layer's other tensors as numpy)."""
-    from transformers import AutoConfig, DeepseekV3ForCausalLM
+@pytest.fixture(scope="module", params=["kimi", "glm5"])
+def checkpoint(request, tmp_path_factory):
+    if request.param == "kimi":
+        return KIMI
+    path = tmp_path_factory.mktemp("glm5_mtp_ref")
+    build_glm_moe_dsa(path, num_hidden_layers=2, seed=4, indexer_types=["full", "full"])
+    add_mtp_layer(path)
+    return str(path)
 
-    main = DeepseekV3ForCausalLM.from_pretrained(KIMI, torch_dtype=torch.float32).eval()
-    cfg = AutoConfig.from_pretrained(KIMI)
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """(main model, MTP decoder layer as transformers builds it, rotary, the MTP layer's other
+    tensors as numpy)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    main = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
+    cfg = AutoConfig.from_pretrained(checkpoint)
+    n = cfg.num_hidden_layers
     cfg.num_hidden_layers += 1  # the MTP layer's decoder layer is layer n's tensors
-    big = DeepseekV3ForCausalLM.from_pretrained(KIMI, config=cfg, torch_dtype=torch.float32).eval()
-    p = f"model.layers.{main.config.num_hidden_layers}."
-    t = {k[len(p):]: v.float().numpy() for k, v in load_file(f"{KIMI}/model.safetensors").items() if k.startswith(p)}
-    return main, big.model.layers[main.config.num_hidden_layers], big.model.rotary_emb, t
+    if getattr(cfg, "indexer_types", None):
+        cfg.indexer_types = list(cfg.indexer_types) + ["full"]  # with its own indexer
+    if getattr(cfg, "mlp_layer_types", None):
+        cfg.mlp_layer_types = list(cfg.mlp_layer_types) + ["sparse"]
+    big = AutoModelForCausalLM.from_pretrained(checkpoint, config=cfg, torch_dtype=torch.float32).eval()
+    big.config._attn_implementation = "eager"
+    p = f"model.layers.{n}."
+    t = {k[len(p):]: v.float().numpy() for k, v in load_file(f"{checkpoint}/model.safetensors").items()
+         if k.startswith(p)}
+    return main, big.model.layers[n], big.model.rotary_emb, t
 
 
 def mtp_reference(reference, tokens, hiddens, positions):
@@ -53,17 +73,17 @@ def mtp_reference(reference, tokens, hiddens, positions):
     return rms(g, t["shared_head.norm.weight"], eps) @ t["shared_head.head.weight"].T, g
 
 
-def test_mtp_block_matches_the_reference(reference):
+def test_mtp_block_matches_the_reference(checkpoint, reference):
     """One prefill writes the block's KV one position behind; then at each position m the draft
     program's two drafts (the block at m, then chained on its own output at m + 1) are the
     reference's argmaxes, and its logits are close."""
     main = reference[0]
     rng = np.random.RandomState(3)
-    prompt = [int(x) for x in rng.randint(2, 512, size=11)]
+    prompt = [int(x) for x in rng.randint(2, main.config.vocab_size, size=11)]
     with torch.no_grad():
         h = main.model(torch.tensor([prompt])).last_hidden_state[0].numpy()  # after the final norm
     fmt = get_kv_format("float32")
-    _, model = load_model(KIMI, mtp=True)
+    _, model = load_model(checkpoint, mtp=True)
     kv = model.init_kv(8, PAGE, fmt)
     table = np.array([[1, 2, 3, 4]], np.int32)
     step = StepInput(*(np.asarray(a, np.int32) for a in ([prompt], [0], [len(prompt)], table)))
