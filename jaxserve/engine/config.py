@@ -68,8 +68,8 @@ class EngineConfig:
     speculative: str | None = _field(None, "speculative decoding: ngram (prompt lookup: draft the tokens that "
                                            "followed the latest earlier match of the last n tokens; lossless) | mtp "
                                            "(the checkpoint's multi-token-prediction layer drafts, chained for k > 1: "
-                                           "DeepSeek-V3 / Kimi K2 / GLM-5 checkpoints with num_nextn_predict_layers > 0; "
-                                           "lossless) (default: off)", type=str,
+                                           "DeepSeek-V3 / Kimi K2 / GLM-5 checkpoints with "
+                                           "num_nextn_predict_layers > 0; lossless) (default: off)", type=str,
                                      choices=("ngram", "mtp"))
     num_speculative_tokens: int = _field(4, "draft tokens per request per verify step (--speculative)")
     ngram_max: int = _field(3, "longest suffix n-gram the ngram proposer matches")
