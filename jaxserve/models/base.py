@@ -90,11 +90,11 @@ class CausalLM(nnx.Module):
 
         backend: the attention backend (``attention_backends.get_backend``; default pure jnp).
         """
-        x = self._embed(step.tokens)
-        x, new_kv = self.run_layers(x, self._rope(step.positions), step, kv, fmt, page_size, backend)
+        x = self.embed_ids(step.tokens)
+        x, new_kv = self.run_layers(x, self.rope_at(step.positions), step, kv, fmt, page_size, backend)
         if self.mtp is not None:  # the block's KV one position behind, from the final hidden states
             n = len(self.layers)
-            new_kv += self.mtp.behind(self.norm(x), step, kv[n : n + 2], self._embed, self._rope, fmt, page_size,
+            new_kv += self.mtp.behind(self.norm(x), step, kv[n : n + 2], self.embed_ids, self.rope_at, fmt, page_size,
                                       backend)
         if not all_logits:
             x = x[jnp.arange(x.shape[0]), last_token_index(step.new_lens)]  # [B, D]
@@ -110,13 +110,15 @@ class CausalLM(nnx.Module):
     def draft(self, step: StepInput, kv: tuple, fmt: KVFormat, page_size: int, k: int, backend=XLA):
         """The MTP block's k draft tokens per row (``MTPBlock.draft``) -> (int32 [B, k], kv)."""
         n = len(self.layers)
-        drafts, mtp_kv = self.mtp.draft(step, kv[n : n + 2], self._embed, self._rope, fmt, page_size, backend, k)
+        drafts, mtp_kv = self.mtp.draft(step, kv[n : n + 2], self.embed_ids, self.rope_at, fmt, page_size, backend, k)
         return drafts, tuple(kv[:n]) + tuple(mtp_kv)
 
-    def _embed(self, tokens):
+    def embed_ids(self, tokens):
+        """int32 [...] -> the embedding rows [..., D] in the model's dtype."""
         return embedding(tokens, self.embed).astype(self.dtype)
 
-    def _rope(self, positions):
+    def rope_at(self, positions):
+        """int32 [B, T] -> the rotary (cos, sin) at those positions."""
         inv_freq, scale = rope_inv_freq(self.cfg.rope, self.rope_dim)
         return rope_cos_sin(positions, inv_freq, scale)
 

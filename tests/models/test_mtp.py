@@ -98,7 +98,7 @@ def test_mtp_block_matches_the_reference(checkpoint, reference):
         drafts, kv = model.draft(inp, kv, fmt, PAGE, 2)
         assert np.asarray(drafts)[0].tolist() == [d1, int(np.argmax(ref2[-1]))], m
         logits = np.asarray(model.mtp.logits(model.mtp.hidden(
-            model.embed[np.array([[prompt[m + 1]]])], h[None, m : m + 1], model._rope(np.array([[m]])),
+            model.embed_ids(np.array([[prompt[m + 1]]])), h[None, m : m + 1], model.rope_at(np.array([[m]])),
             StepInput(*(np.asarray(a, np.int32) for a in ([[prompt[m + 1]]], [m], [1], table))), kv[-2], fmt,
             PAGE, XLA)[0]))[0, 0]
         errs.append(np.abs(logits - ref[-1]).max())
