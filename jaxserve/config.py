@@ -101,6 +101,9 @@ class ModelConfig:
     # ``jaxserve.sharding.padded_vocab_size``). None: vocab_size. Padded ids are never produced:
     # the model cuts their logits off.
     padded_vocab_size: int | None = None
+    # Not from config.json: the checkpoint's multi-token-prediction layers the model builds (0 or 1;
+    # the loader sets it for ``--speculative mtp``, ``jaxserve.loader.load_model(mtp=True)``).
+    mtp_layers: int = 0
 
     def __post_init__(self):
         if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:

@@ -105,7 +105,7 @@ class LLM:
         self.fmt = get_kv_format(kv_format)
         self.mesh = make_mesh(num_devices) if num_devices > 1 else None
         with profile.stage("config and weights (memory-mapped safetensors)"):
-            self.cfg, model_obj = load_model(model, _DTYPES[dtype], self.mesh)
+            self.cfg, model_obj = load_model(model, _DTYPES[dtype], self.mesh, mtp=config.speculative == "mtp")
         self.tokenizer = None
         with profile.stage("tokenizer"):
             if any((Path(model) / f).exists() for f in ("tokenizer.json", "tiktoken.model")):

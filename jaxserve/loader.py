@@ -17,6 +17,7 @@ and restored by ``jaxserve.checkpoint.orbax_io``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -120,8 +121,12 @@ def _names_note(read: _Reader) -> str:
     return f" (named as the text model names them; this checkpoint stores e.g. {some[0]} as {some[1]})"
 
 
-def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = None):
+def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = None, mtp: bool = False):
     """-> (ModelConfig, model) with every parameter read from the checkpoint at `path`.
+
+    mtp: build and load the checkpoint's multi-token-prediction block as well (speculative
+    decoding's drafts; ``mtp_config`` says why a checkpoint has none). Without it the MTP
+    layers' tensors are skipped.
 
     Quantized tensors of a pre-quantized checkpoint load as PhaseWeights in their own format
     (not expanded to `dtype`); a jaxserve-converted checkpoint restores its stored phases.
@@ -136,6 +141,9 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = N
     text = text_model_config(raw)
     scheme = prequantized.parse_quantization_config(text.get("quantization_config"))
     cfg = config_for_mesh(config_from_dict(text), mesh)
+    index, read = _checkpoint_tensors(path, raw)
+    if mtp:
+        cfg = mtp_config(path, cfg, index)
     arch = get_architecture(cfg)
     abstract = nnx.eval_shape(lambda: arch.build(cfg, dtype, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
@@ -147,7 +155,6 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = N
             f"{cfg.architecture} weight map out of sync with the model: "
             f"unmapped {_list_shown(set(flat) - set(specs))}; unknown {_list_shown(set(specs) - set(flat))}"
         )
-    index, read = _checkpoint_tensors(path, raw)
     plans = {t: prequantized.plan_tensors(scheme, s, index.__contains__, read.dtype_code, read.stored.get)
              for t, s in specs.items()}
     _check_tensors(path, cfg, arch, scheme, index, plans, _names_note(read))
@@ -173,6 +180,24 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = N
     loaded = [(p, var.replace(values["/".join(str(k) for k in p)])) for p, var in nnx.to_flat_state(state)]
     model = nnx.merge(graphdef, nnx.from_flat_state(loaded))
     return cfg, model
+
+
+def mtp_config(path, cfg: ModelConfig, index) -> ModelConfig:
+    """``cfg`` with the MTP block built (``mtp_layers=1``), or a ConfigError naming why the
+    checkpoint at ``path`` has none: its architecture, ``num_nextn_predict_layers``, or the
+    layer's tensors."""
+    arch, n = get_architecture(cfg), cfg.num_hidden_layers
+    if not arch.mtp:
+        raise ConfigError(f"--speculative mtp: {cfg.architecture} checkpoints' MTP layers are not supported "
+                          "(DeepseekV3ForCausalLM and GlmMoeDsaForCausalLM only); use --speculative ngram")
+    if cfg.num_nextn_predict_layers < 1:
+        raise ConfigError(f"--speculative mtp: {path} has no MTP layers (config.json num_nextn_predict_layers = "
+                          f"{cfg.num_nextn_predict_layers}); use --speculative ngram")
+    if f"model.layers.{n}.eh_proj.weight" not in index:
+        raise ConfigError(f"--speculative mtp: {path}'s config.json says num_nextn_predict_layers = "
+                          f"{cfg.num_nextn_predict_layers}, but it has no MTP layer tensors (model.layers.{n}.*); "
+                          "use --speculative ngram")
+    return dataclasses.replace(cfg, mtp_layers=1)
 
 
 class _Transfers:

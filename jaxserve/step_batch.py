@@ -28,7 +28,8 @@ class StepBatch:
     page_table: jax.Array  # int32 [B, M]  physical page of each logical page (M: the runner's width)
     expected: jax.Array  # int32 [B, M]    generation each page must have (the integrity check)
     pages_used: jax.Array  # int32 [B]     pages the row's tokens reach
-    phase: str = dataclasses.field(default="prefill", metadata={"static": True})  # "prefill" | "decode" | "verify"
+    # "prefill" | "decode" | "verify" | "draft"
+    phase: str = dataclasses.field(default="prefill", metadata={"static": True})
     all_logits: bool = dataclasses.field(default=False, metadata={"static": True})  # scoring: logits [B, T, V]
 
     @property

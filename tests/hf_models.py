@@ -176,3 +176,17 @@ def paged_decode_logits(llm, prompt, continuation):
     for i, tok in enumerate(continuation):
         out.append(np.asarray(runner.run(np.array([[tok]], np.int32), [len(prompt) + i], [1], table))[0])
     return np.stack(out)
+
+
+def add_mtp_layer(path, seed: int = 1):
+    """Append a random MTP layer (``model.layers.{num_hidden_layers}.*``, DeepSeek-V3's layout,
+    shaped like the last layer) to the checkpoint saved at ``path``: the generator the shipped
+    tiny checkpoint uses (``checkpoints/make_tiny.py``)."""
+    import importlib.util
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "checkpoints" / "make_tiny.py"
+    spec = importlib.util.spec_from_file_location("make_tiny", src)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.add_mtp_layer(Path(path), seed)

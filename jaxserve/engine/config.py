@@ -68,7 +68,9 @@ class EngineConfig:
                                           "attention run over fixed row tiles)")
     speculative: str | None = _field(None, "speculative decoding: ngram (prompt lookup: draft the tokens that "
                                            "followed the latest earlier match of the last n tokens; lossless) | mtp "
-                                           "(not built yet; refused) (default: off)", type=str,
+                                           "(the checkpoint's multi-token-prediction layer drafts, chained for k > 1: "
+                                           "DeepSeek-V3 / Kimi K2 / GLM-5 checkpoints with "
+                                           "num_nextn_predict_layers > 0; lossless) (default: off)", type=str,
                                      choices=("ngram", "mtp"))
     num_speculative_tokens: int = _field(4, "draft tokens per request per verify step (--speculative)")
     ngram_max: int = _field(3, "longest suffix n-gram the ngram proposer matches")
@@ -103,8 +105,6 @@ class EngineConfig:
             get_kv_format(self.kv_handoff_format)
         if self.speculative not in (None, "ngram", "mtp"):
             raise ValueError(f"speculative must be ngram or mtp, got {self.speculative!r}")
-        if self.speculative == "mtp":
-            raise ValueError("speculative='mtp' is not built yet (issue 31): use 'ngram'")
         if self.num_speculative_tokens < 1 or not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("num_speculative_tokens must be >= 1 and 1 <= ngram_min <= ngram_max")
         if not 0 <= self.speculative_min_acceptance <= 1:

@@ -79,7 +79,7 @@ class LLMEngine:
         # The KV handoff (disaggregated serving: jaxserve.disagg), and the worker role it checks.
         self.kv_handoff = KvHandoff(self.runner, config, self.cfg.vocab_size, self.cfg.architecture, self.bm,
                                     self.scheduler, self.outputs, self.constraints, self._finish)
-        self.spec = make_speculative(config, self.cfg.vocab_size, self.max_model_len, self.bm)
+        self.spec = make_speculative(config, self.cfg, self.max_model_len, self.bm)
         if self.spec is not None:  # its auto-off weighs acceptance against the calls' measured cost
             self.add_step_observer(self.spec.observe)
 
@@ -201,9 +201,9 @@ class LLMEngine:
             self.rows.sample(res.logits, to_sample, events)
         decode = [s for s in sched.decode if not s.finished]
         verify = self._verify_bucket(len(decode)) if decode and self.spec is not None else None
-        constrained = any(s.grammar is not None for s in decode)  # drafts are not grammar-checked: no speculation
-        if decode and self.spec is not None and not constrained and self.spec.verifies(decode, verify):
-            self.spec.verify(decode, lambda rows: self.calls.run("verify", rows, *verify), self.rows.emit, events)
+        if decode and self.spec is not None and self.spec.verifies(decode, verify):
+            self.spec.verify(decode, lambda rows: self.calls.run("verify", rows, *verify), self.rows.emit, events,
+                             draft=lambda rows: self.calls.run("draft", rows, *verify), constraints=self.constraints)
         elif decode:
             rows = [(s, [s.output_ids[-1]], s.total_len - 1) for s in decode]
             masks = self.constraints.prefetch(decode)  # on a worker thread while the device runs the step
@@ -256,7 +256,8 @@ class LLMEngine:
     def _verify_bucket(self, n: int) -> tuple[int, int] | None:
         """The verify bucket for n decode rows, or None while warm-up has not built one."""
         b, t = step_bucket(self, "verify", bucket(n), self.spec.verify_tokens)
-        built = not self.runner.warm or self.runner.programs is None or step_name("verify", b, t) in self.programs
+        names = [step_name(p, b, t) for p in (("verify", "draft") if self.spec.proposer.on_device else ("verify",))]
+        built = not self.runner.warm or self.runner.programs is None or all(n in self.programs for n in names)
         return (b, t) if built else None
 
     def _finish(self, s: Sequence, reason: str, error: Exception | None = None) -> None:

@@ -112,7 +112,7 @@ class EngineSnapshot:
 class StepRecord:
     """One program call, as a step observer sees it."""
 
-    phase: str  # "prefill" | "decode"
+    phase: str  # "prefill" | "decode" | "verify" | "draft"
     rows: int  # real rows (requests) in the call
     new_tokens: int  # real new tokens
     batch: int  # padded rows (the compiled bucket)

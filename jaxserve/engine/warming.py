@@ -67,5 +67,6 @@ def step_bucket(engine, phase: str, b: int, t: int) -> tuple[int, int]:
     if not engine.runner.warm or engine.runner.programs is None:
         return b, t
     decode, prefill = serving_buckets(engine.config, engine.prefill_token_buckets)
-    steps = {"decode": [(d, 1) for d in decode], "verify": [(d, t) for d in decode]}.get(phase, prefill)
+    spec = [(d, t) for d in decode]
+    steps = {"decode": [(d, 1) for d in decode], "verify": spec, "draft": spec}.get(phase, prefill)
     return bucket_for(engine.runner.programs, phase, b, t, steps)

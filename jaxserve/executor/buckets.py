@@ -81,5 +81,6 @@ def step_name(phase: str, batch: int, tokens: int) -> str:
 
 def weights_phase(program: str) -> str:
     """The phase whose weights a step program reads: a speculative decoding "verify" program
-    (the decode step over k + 1 positions, logits at each) reads the decode weights."""
-    return "decode" if program == "verify" else program
+    (the decode step over k + 1 positions, logits at each) and "draft" program (the MTP block's
+    k draft tokens) read the decode weights."""
+    return "decode" if program in ("verify", "draft") else program

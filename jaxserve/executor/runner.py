@@ -54,6 +54,7 @@ BATCH_INVARIANT_ROWS = 8  # rows per matmul tile in batch-invariant mode (a row'
 @dataclasses.dataclass
 class StepResult:
     logits: jax.Array  # f32 [B, V] at each row's last new token (padded rows included); [B, T, V] all_logits
+    # and verify; a draft program's draft tokens int32 [B, T - 1]
     ok: np.ndarray  # bool [B] integrity check per row
     cause: np.ndarray  # int32 [B] page_tracker cause codes
 
@@ -179,12 +180,14 @@ class ModelRunner:
                       verify_tokens: int = 0) -> list:
         """Every serving program's ``ProgramSpec``: the checked step per bucket (largest first; no
         decode bucket for a worker without decode weights; with ``verify_tokens`` (speculative
-        decoding's k + 1) a verify bucket per decode bucket), and the generation update at every
-        padded size."""
+        decoding's k + 1) a verify bucket per decode bucket, and a draft one with the MTP block), and
+        the generation update at every padded size."""
         if "decode" not in self.phase_params:
             decode_batches = []
         shapes = [("decode", b, 1) for b in decode_batches] + [("prefill", b, t) for b, t in prefill_shapes]
         shapes += [("verify", b, verify_tokens) for b in decode_batches if verify_tokens]
+        if self.cfg.mtp_layers:  # the MTP block's drafts, in the verify buckets
+            shapes += [("draft", b, verify_tokens) for b in decode_batches if verify_tokens]
         specs = [self.step_spec(*s) for s in sorted(shapes, key=lambda s: (-s[1] * s[2], s[0]))]
         return specs + [self.updates_spec(size) for size in self.update_sizes()]
 

@@ -1,8 +1,10 @@
 """The runner's jitted programs over the KV pools: the checked step per phase ("prefill",
 "decode", "verify": the decode weights with logits at every position, speculative decoding's
-check of draft tokens), its scoring variant (logits at every position), the unchecked forward
-(tests and scoring), the generation update; each jitted once (one executable per bucket), KV
-donated, traced with the runner's matmul backend and, in batch-invariant mode, fixed row tiles.
+check of draft tokens, "draft": the decode weights' MTP block proposing those tokens, its first
+output the drafts int32 [B, T - 1] in place of logits), its scoring variant (logits at every
+position), the unchecked forward (tests and scoring), the generation update; each jitted once
+(one executable per bucket), KV donated, traced with the runner's matmul backend and, in
+batch-invariant mode, fixed row tiles.
 
 It also gives the ``ProgramSpec`` of every serving program (for ahead-of-time builds into a
 ``ProgramSet``) and ``lower`` (any bucket for inspection, any platform). Programs take their
@@ -34,7 +36,9 @@ class StepPrograms:
         self.tracker, self.spans_processes, self.max_pages_per_seq = tracker, spans_processes, max_pages_per_seq
         self._jitted: dict = {}
 
-    def model_fn(self, all_logits: bool, phase: str = "prefill"):
+    def model_fn(self, all_logits: bool, phase: str = "prefill", draft: bool = False):
+        """The model's forward with ``phase``'s weights; with ``draft`` the MTP block's draft
+        tokens instead of logits (``CausalLM.draft``: k = T - 1 of the batch's T)."""
         graphdef, fmt, page_size, backend = self.graphdef, self.fmt, self.page_size, self.attention
         treedef, matmuls, rows, mesh = self.treedefs[phase], self.matmul_backend, self.row_tile, self.mesh
 
@@ -42,6 +46,8 @@ class StepPrograms:
             # Quantized weights enter as stored; every matmul reads them through quant.linear.
             model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
             with use_backend(matmuls), fixed_row_tiles(rows), kernel_mesh(mesh):
+                if draft:
+                    return model.draft(inp, kv, fmt, page_size, inp.tokens.shape[1] - 1, backend=backend)
                 return model(inp, kv, fmt, page_size, all_logits=all_logits, backend=backend)
 
         return forward
@@ -51,7 +57,8 @@ class StepPrograms:
         (logits at every position, not part of serving)."""
         key = name + ("/all_logits" if all_logits else "")
         if key not in self._jitted:
-            forward, tracker = self.model_fn(all_logits or name == "verify", weights_phase(name)), self.tracker
+            forward = self.model_fn(all_logits or name == "verify", weights_phase(name), draft=name == "draft")
+            tracker = self.tracker
             spans, mesh = self.spans_processes, self.mesh
 
             def step(params, kv, generation, batch: StepBatch):

@@ -15,6 +15,7 @@ class Architecture:
     build: Callable[..., Any]  # (cfg, dtype, rngs) -> CausalLM
     weight_map: Callable[[ModelConfig], list]
     skip_tensor: Callable[[ModelConfig, str], bool]
+    mtp: bool = False  # builds the checkpoint's MTP block when ModelConfig.mtp_layers (speculative drafts)
 
 
 _REGISTRY: dict[str, Architecture] = {}
@@ -109,6 +110,7 @@ def _register_builtin():
                 build=build,
                 weight_map=module.weight_map,
                 skip_tensor=module.skip_tensor,
+                mtp=getattr(module, "BUILDS_MTP", False),
             )
         )
 

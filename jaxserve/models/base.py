@@ -65,7 +65,10 @@ class DecoderLayer(nnx.Module):
 
 
 class CausalLM(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layers: list[nnx.Module], rope_dim: int, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layers: list[nnx.Module], rope_dim: int, dtype, rngs: nnx.Rngs,
+                 mtp: nnx.Module | None = None):
+        """mtp: the checkpoint's multi-token-prediction block (``models.mtp.MTPBlock``), built
+        when ``cfg.mtp_layers``: its two KV slots follow the layers' (``init_kv``)."""
         self.cfg = cfg
         self.dtype = dtype
         self.rope_dim = rope_dim
@@ -78,6 +81,7 @@ class CausalLM(nnx.Module):
             if cfg.tie_word_embeddings
             else param(rngs, (cfg.hidden_size, cfg.vocab_rows), ("embed", "vocab"), dtype)
         )
+        self.mtp = mtp
 
     def __call__(
         self, step: StepInput, kv: tuple, fmt: KVFormat, page_size: int, all_logits: bool = False, backend=XLA
@@ -86,10 +90,12 @@ class CausalLM(nnx.Module):
 
         backend: the attention backend (``attention_backends.get_backend``; default pure jnp).
         """
-        x = embedding(step.tokens, self.embed).astype(self.dtype)
-        inv_freq, scale = rope_inv_freq(self.cfg.rope, self.rope_dim)
-        rope = rope_cos_sin(step.positions, inv_freq, scale)
-        x, new_kv = self.run_layers(x, rope, step, kv, fmt, page_size, backend)
+        x = self.embed_ids(step.tokens)
+        x, new_kv = self.run_layers(x, self.rope_at(step.positions), step, kv, fmt, page_size, backend)
+        if self.mtp is not None:  # the block's KV one position behind, from the final hidden states
+            n = len(self.layers)
+            new_kv += self.mtp.behind(self.norm(x), step, kv[n : n + 2], self.embed_ids, self.rope_at, fmt, page_size,
+                                      backend)
         if not all_logits:
             x = x[jnp.arange(x.shape[0]), last_token_index(step.new_lens)]  # [B, D]
         x = self.norm(x)
@@ -101,6 +107,21 @@ class CausalLM(nnx.Module):
             logits = logits[..., : self.cfg.vocab_size]
         return logits, tuple(new_kv)
 
+    def draft(self, step: StepInput, kv: tuple, fmt: KVFormat, page_size: int, k: int, backend=XLA):
+        """The MTP block's k draft tokens per row (``MTPBlock.draft``) -> (int32 [B, k], kv)."""
+        n = len(self.layers)
+        drafts, mtp_kv = self.mtp.draft(step, kv[n : n + 2], self.embed_ids, self.rope_at, fmt, page_size, backend, k)
+        return drafts, tuple(kv[:n]) + tuple(mtp_kv)
+
+    def embed_ids(self, tokens):
+        """int32 [...] -> the embedding rows [..., D] in the model's dtype."""
+        return embedding(tokens, self.embed).astype(self.dtype)
+
+    def rope_at(self, positions):
+        """int32 [B, T] -> the rotary (cos, sin) at those positions."""
+        inv_freq, scale = rope_inv_freq(self.cfg.rope, self.rope_dim)
+        return rope_cos_sin(positions, inv_freq, scale)
+
     def run_layers(self, x, rope, step: StepInput, kv: tuple, fmt: KVFormat, page_size: int, backend):
         """The decoder layers in order -> (x, [each layer's updated KV pools])."""
         new_kv = []
@@ -110,8 +131,9 @@ class CausalLM(nnx.Module):
         return x, new_kv
 
     def init_kv(self, num_pages: int, page_size: int, fmt: KVFormat) -> tuple:
-        """Zeroed KV pools, one dict of arrays per layer."""
-        return tuple(layer.init_kv(num_pages, page_size, fmt) for layer in self.layers)
+        """Zeroed KV pools, one dict of arrays per layer (then the MTP block's two)."""
+        pools = tuple(layer.init_kv(num_pages, page_size, fmt) for layer in self.layers)
+        return pools + (self.mtp.init_kv(num_pages, page_size, fmt) if self.mtp is not None else ())
 
     @staticmethod
     def common_weights(cfg: ModelConfig) -> list[WeightSpec]:
@@ -151,7 +173,8 @@ def moe_weights(cfg: ModelConfig, hf: str, us: str) -> list[WeightSpec]:
 
 def skip_mtp_layers(cfg: ModelConfig, name: str) -> bool:
     """Tensors present in real checkpoints that this model deliberately does not use."""
-    # Multi-token-prediction layers come after the last decoder layer (model.layers.61.* in Kimi K2).
+    # Multi-token-prediction layers come after the last decoder layer (model.layers.61.* in Kimi K2);
+    # a family that builds the MTP block reads them with ``models.mtp.skip_tensor``.
     if name.startswith("model.layers."):
         idx = int(name.split(".")[2])
         return idx >= cfg.num_hidden_layers

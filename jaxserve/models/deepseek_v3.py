@@ -16,8 +16,10 @@ from jaxserve.config import ConfigError, ModelConfig, parse_common, require
 from jaxserve.kv import paged
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.attention_backends import XLA
-from jaxserve.models.base import CausalLM, DecoderLayer, WeightSpec, keep, block_weights, skip_mtp_layers, t
+from jaxserve.models.base import CausalLM, DecoderLayer, WeightSpec, keep, block_weights, t
 from jaxserve.models.layers import RMSNorm, apply_rope, param
+from jaxserve.models.mtp import MTPBlock, mtp_weights
+from jaxserve.models.mtp import skip_tensor as mtp_skip_tensor
 from jaxserve.quant.linear import by_row_tiles, head_columns, linear
 
 
@@ -102,7 +104,11 @@ class DeepseekV3(CausalLM):
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         rngs = rngs or nnx.Rngs(0)
         layers = [DecoderLayer(cfg, i, MLAttention(cfg, dtype, rngs), dtype, rngs) for i in range(cfg.num_hidden_layers)]
-        super().__init__(cfg, layers, cfg.qk_rope_head_dim, dtype, rngs)
+        mtp = None
+        if cfg.mtp_layers:  # the checkpoint's MTP block (speculative decoding's drafts)
+            n = cfg.num_hidden_layers
+            mtp = MTPBlock(cfg, DecoderLayer(cfg, n, MLAttention(cfg, dtype, rngs), dtype, rngs), dtype, rngs)
+        super().__init__(cfg, layers, cfg.qk_rope_head_dim, dtype, rngs, mtp)
 
 
 # ----------------------------------------------------------------------------- config
@@ -110,6 +116,7 @@ class DeepseekV3(CausalLM):
 
 ARCH = "DeepseekV3ForCausalLM"
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+BUILDS_MTP = True
 
 
 def parse_config(raw: dict[str, Any]) -> ModelConfig:
@@ -158,6 +165,9 @@ def weight_map(cfg: ModelConfig) -> list[WeightSpec]:
     specs = CausalLM.common_weights(cfg)
     for i in range(cfg.num_hidden_layers):
         specs += mla_weights(cfg, i) + block_weights(cfg, i)
+    if cfg.mtp_layers:
+        n = cfg.num_hidden_layers
+        specs += mtp_weights(cfg, mla_weights(cfg, n) + block_weights(cfg, n))
     return specs
 
 
@@ -182,4 +192,4 @@ def mla_weights(cfg: ModelConfig, i: int) -> list[WeightSpec]:
     return specs
 
 
-skip_tensor = skip_mtp_layers
+skip_tensor = mtp_skip_tensor  # the MTP layers past what cfg.mtp_layers builds

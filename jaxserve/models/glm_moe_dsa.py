@@ -20,18 +20,22 @@ from flax import nnx
 from jaxserve.config import ConfigError, ModelConfig, require
 from jaxserve.kv.formats import KVFormat
 from jaxserve.models.attention_backends import XLA
-from jaxserve.models.base import CausalLM, DecoderLayer, WeightSpec, block_weights, keep, skip_mtp_layers, t
+from jaxserve.models.base import CausalLM, DecoderLayer, WeightSpec, block_weights, keep, t
 from jaxserve.models.deepseek_v3 import MLAttention, mla_weights, parse_mla_moe
+from jaxserve.models.mtp import MTPBlock, mtp_weights
+from jaxserve.models.mtp import skip_tensor as mtp_skip_tensor
 from jaxserve.models.dsa import Indexer
 
 ARCH = "GlmMoeDsaForCausalLM"
 MODEL_TYPES = ("glm_moe_dsa",)
+BUILDS_MTP = True
 
 
 class DsaAttention(MLAttention):
     def __init__(self, cfg: ModelConfig, index: int, dtype, rngs: nnx.Rngs):
         super().__init__(cfg, dtype, rngs)
-        self.full = cfg.indexer_types[index] == "full"
+        # The MTP layer (index num_hidden_layers) runs its own: no full layer precedes it in its stack.
+        self.full = index >= len(cfg.indexer_types) or cfg.indexer_types[index] == "full"
         self.indexer = Indexer(cfg, dtype, rngs) if self.full else None
 
     def __call__(self, x, rope, step, kv, fmt: KVFormat, page_size: int, backend=XLA, select=None):
@@ -66,7 +70,11 @@ class GlmMoeDsa(CausalLM):
             DsaDecoderLayer(cfg, i, DsaAttention(cfg, i, dtype, rngs), dtype, rngs)
             for i in range(cfg.num_hidden_layers)
         ]
-        super().__init__(cfg, layers, cfg.qk_rope_head_dim, dtype, rngs)
+        mtp = None
+        if cfg.mtp_layers:  # the checkpoint's MTP block (speculative decoding's drafts)
+            n = cfg.num_hidden_layers
+            mtp = MTPBlock(cfg, DsaDecoderLayer(cfg, n, DsaAttention(cfg, n, dtype, rngs), dtype, rngs), dtype, rngs)
+        super().__init__(cfg, layers, cfg.qk_rope_head_dim, dtype, rngs, mtp)
 
     def run_layers(self, x, rope, step, kv, fmt, page_size, backend):
         """The layers in order, each shared layer given the last full layer's selection."""
@@ -127,21 +135,28 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
 
 def weight_map(cfg: ModelConfig) -> list[WeightSpec]:
     """Every parameter of ours with the HF tensors it is built from (explicit, no guessing)."""
-    ih = cfg.index_n_heads
     specs = CausalLM.common_weights(cfg)
     for i in range(cfg.num_hidden_layers):
         specs += mla_weights(cfg, i) + block_weights(cfg, i)
-        if cfg.indexer_types[i] != "full":
-            continue
-        a, ua = f"model.layers.{i}.self_attn.indexer", f"layers/{i}/attn/indexer"
-        specs += [
-            WeightSpec(f"{ua}/wq_b", (f"{a}.wq_b.weight",), lambda w: w.T.reshape(w.shape[1], ih, -1)),
-            WeightSpec(f"{ua}/wk", (f"{a}.wk.weight",), t),
-            WeightSpec(f"{ua}/k_norm/scale", (f"{a}.k_norm.weight",), keep),
-            WeightSpec(f"{ua}/k_norm/bias", (f"{a}.k_norm.bias",), keep),
-            WeightSpec(f"{ua}/weights_proj", (f"{a}.weights_proj.weight",), lambda w: w.T.astype(np.float32)),
-        ]
+        if cfg.indexer_types[i] == "full":
+            specs += indexer_weights(cfg, i)
+    if cfg.mtp_layers:  # the MTP layer: a full DSA layer (its own indexer)
+        n = cfg.num_hidden_layers
+        specs += mtp_weights(cfg, mla_weights(cfg, n) + block_weights(cfg, n) + indexer_weights(cfg, n))
     return specs
 
 
-skip_tensor = skip_mtp_layers
+def indexer_weights(cfg: ModelConfig, i: int) -> list[WeightSpec]:
+    """Layer i's lightning indexer."""
+    ih = cfg.index_n_heads
+    a, ua = f"model.layers.{i}.self_attn.indexer", f"layers/{i}/attn/indexer"
+    return [
+        WeightSpec(f"{ua}/wq_b", (f"{a}.wq_b.weight",), lambda w: w.T.reshape(w.shape[1], ih, -1)),
+        WeightSpec(f"{ua}/wk", (f"{a}.wk.weight",), t),
+        WeightSpec(f"{ua}/k_norm/scale", (f"{a}.k_norm.weight",), keep),
+        WeightSpec(f"{ua}/k_norm/bias", (f"{a}.k_norm.bias",), keep),
+        WeightSpec(f"{ua}/weights_proj", (f"{a}.weights_proj.weight",), lambda w: w.T.astype(np.float32)),
+    ]
+
+
+skip_tensor = mtp_skip_tensor  # the MTP layers past what cfg.mtp_layers builds

@@ -30,9 +30,11 @@ from jaxserve.sharding import place as place_array
 
 # Parameter paths (as "/"-joined NNX paths) holding matmul weights.
 # The DSA indexer's wq_b / wk are matmul weights like q_b; its weights_proj stays float32 (the
-# reference keeps it so: it weighs the per-head scores the top-k is chosen from).
+# reference keeps it so: it weighs the per-head scores the top-k is chosen from). The MTP block's
+# eh_proj and head are matmul weights too (its decoder layer's match the layers' patterns).
 _MATMUL = re.compile(
-    r"(^lm_head$)|(/attn/(q|k|v|o|q_a|q_b|q_proj|kv_a|kv_b)$)|(/mlp/(shared/)?(gate|up|down)$)|(/mlp/w_(gate|up|down)$)"
+    r"(^lm_head$)|(^mtp/(eh_proj|head)$)"
+    r"|(/attn/(q|k|v|o|q_a|q_b|q_proj|kv_a|kv_b)$)|(/mlp/(shared/)?(gate|up|down)$)|(/mlp/w_(gate|up|down)$)"
     r"|(/attn/indexer/(wq_b|wk)$)"
 )
 _EXPERTS = re.compile(r"/mlp/w_(gate|up|down)$")

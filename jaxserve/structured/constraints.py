@@ -41,6 +41,7 @@ class ConstraintStats:
     mask_steps: int = 0  # sampling calls with at least one constrained row
     invalid_outputs: int = 0  # a sampled token the grammar refused (the row runs on unconstrained)
     grammar_stops: int = 0  # requests the grammar ended (complete, nothing more allowed)
+    draft_tokens_cut: int = 0  # speculative draft tokens dropped because the grammar forbids them
 
 
 class Constraints:
@@ -111,6 +112,34 @@ class Constraints:
             if s.request_id in got:
                 mask[j] = got[s.request_id]
         return mask
+
+    def draft_masks(self, s, drafts: list[int]) -> tuple[list[int], np.ndarray | None]:
+        """Speculative decoding: ``drafts`` of ``s`` cut before the first one its grammar forbids,
+        and the mask of every verify position (int32 [len(kept) + 1, words]: position j after the
+        kept drafts before j; all ones after a draft that completes the grammar, which ends the
+        request there). None: unconstrained (no grammar, or a failed one). A grammar still
+        waiting for its marker (the text decides when it starts) takes no drafts. The matcher
+        is left as it was."""
+        g = s.grammar
+        if g is None or g.failed:
+            return drafts, None
+        if not g.active:
+            return [], None
+        rows, kept = [], []
+        for d in list(drafts) + [None]:
+            row = np.full(self.words, -1, np.int32)
+            g.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            rows.append(row)
+            if d is None or not (int(row[d >> 5]) >> (d & 31)) & 1 or not g.matcher.consume_token(int(d)):
+                break
+            kept.append(int(d))
+            if g.matcher.is_stopped():
+                rows.append(np.full(self.words, -1, np.int32))
+                break
+        g.matcher.rollback(len(kept))
+        self.stats.mask_rows += len(rows)
+        self.stats.draft_tokens_cut += len(drafts) - len(kept)
+        return kept, np.stack(rows)
 
     # ------------------------------------------------------------------ tokens
     def advance(self, s, tok: int) -> str | None:

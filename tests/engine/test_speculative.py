@@ -205,3 +205,22 @@ def test_openai_usage_reports_accepted_and_rejected_drafts():
     assert "completion_tokens_details" not in usage(5, 8, 0)
     assert usage(5, 8, 0, 6, 4)["completion_tokens_details"] == {"accepted_prediction_tokens": 4,
                                                                  "rejected_prediction_tokens": 2}
+
+
+def test_chunked_prefill_and_a_shared_prompt_with_speculation(tmp_path_factory):
+    """n-gram speculation over 16-token prefill chunks of long repeating prompts, one of them
+    twice (n = 2 greedy: the copy decodes over the first's cached pages): the same tokens as
+    without speculation, every page back at the end."""
+    llm = LLM(_family("llama", tmp_path_factory), kv_format="bf16", **KW, **SPEC, prefill_chunk=16,
+              max_num_batched_tokens=16)
+    spec = llm.engine.spec
+    prompts = repeating_prompts(llm.engine.cfg.vocab_size)[:2]
+    prompts += prompts[:1]
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    llm.engine.spec = None
+    want = llm.generate(prompts, sp)
+    llm.engine.spec = spec
+    got = llm.generate(prompts, sp)
+    assert [list(c) for c in got] == [list(c) for c in want]
+    assert max(len(p) for p in prompts) > 32 and 0 < spec.accepted <= spec.drafted
+    assert llm.engine.bm.num_used_pages == 0 and llm.engine.snapshot().integrity_mismatches == {}

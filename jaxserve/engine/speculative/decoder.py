@@ -70,15 +70,16 @@ class SpeculativeDecoder:
 
     def observe(self, rec) -> None:
         """A step observer (``LLMEngine.add_step_observer``): the decode and verify calls' times."""
-        if rec.phase in ("decode", "verify"):
+        if rec.phase in ("decode", "verify", "draft"):
             key = (rec.phase, rec.batch)
             old = self._seconds.get(key)
             self._seconds[key] = rec.seconds if old is None else 0.8 * old + 0.2 * rec.seconds
 
     def cost_ratio(self, batch: int) -> float:
-        """A verify call's wall time in decode calls at this bucket (1.0 until both are measured)."""
+        """A verify call's wall time (with its draft call, MTP) in decode calls at this bucket
+        (1.0 until both are measured)."""
         v, d = self._seconds.get(("verify", batch)), self._seconds.get(("decode", batch))
-        return v / d if v and d else 1.0
+        return (v + self._seconds.get(("draft", batch), 0.0)) / d if v and d else 1.0
 
     def totals(self) -> dict:
         """The engine's figures since start, as ``EngineSnapshot`` fields."""
@@ -113,16 +114,26 @@ class SpeculativeDecoder:
             s.draft_ids = []
         return False
 
-    def verify(self, decode, run, emit, events) -> None:
+    def verify(self, decode, run, emit, events, draft=None, constraints=None) -> None:
         """One verify call over every decode row (``run(rows)``: its last token and its drafts,
         KV written for all), the acceptance, then each row's tokens emitted in order
         (``emit(seq, token, logprob, top, now, events)`` -> finished: a stop inside the run ends
-        it) and the rejected drafts' pages rolled back."""
+        it) and the rejected drafts' pages rolled back. A proposer ``on_device`` has its drafts
+        computed first by ``draft(rows)`` (the draft program call). A row with a grammar
+        (``constraints``: the engine's ``Constraints``) has its drafts cut before the first one
+        the grammar forbids, and every position's mask applied in the acceptance."""
         self._bucket = bucket(len(decode))
+        if self.proposer.on_device:
+            self._device_drafts(decode, draft)
+            decode = [s for s in decode if not s.finished]  # a row the draft call's check failed is aborted
+            if not decode:
+                return
+        masks = self._grammar_masks(decode, constraints)
         res = run([(s, [s.output_ids[-1]] + s.draft_ids, s.total_len - 1) for s in decode])
         live = [(i, s) for i, s in enumerate(decode) if res.ok[i] and not s.finished]
         now = time.perf_counter()
-        for (_, s), (toks, lps, tops) in zip(live, self.accept(res.logits, live) if live else []):
+        accepted = self.accept(res.logits, live, masks) if live else []
+        for (_, s), (toks, lps, tops) in zip(live, accepted):
             s.draft_ids = []
             for tok, lp, top in zip(toks, lps, tops):
                 if emit(s, tok, lp, top, now, events):
@@ -132,9 +143,31 @@ class SpeculativeDecoder:
                 self.bm.commit_full_pages(s.request_id, s.all_ids[: s.num_computed])
                 self.rollback(s)
 
-    def accept(self, logits, rows) -> list[tuple[list[int], list[float], list]]:
+    def _device_drafts(self, decode, draft) -> None:
+        """Fill each row's reserved draft slots from one draft program call: the row's newest
+        token and its slots, from the position before it (whose hidden state is stored)."""
+        res = draft([(s, [s.output_ids[-1]] + s.draft_ids, s.total_len - 2) for s in decode])
+        tokens = np.asarray(res.logits)  # the draft program's first output: int32 [B, k]
+        for i, s in enumerate(decode):
+            s.draft_ids = tokens[i, : len(s.draft_ids)].tolist() if res.ok[i] else []
+
+    def _grammar_masks(self, decode, constraints) -> dict[int, np.ndarray]:
+        """Decode row -> its masks [drafts + 1, words], for the rows a grammar constrains (their
+        drafts cut where the grammar forbids one)."""
+        masks = {}
+        if constraints is None:
+            return masks
+        for i, s in enumerate(decode):
+            if s.grammar is not None:
+                s.draft_ids, m = constraints.draft_masks(s, s.draft_ids)
+                if m is not None:
+                    masks[i] = m
+        return masks
+
+    def accept(self, logits, rows, masks=None) -> list[tuple[list[int], list[float], list]]:
         """rows: (logits row, Sequence) of one verify call -> per row (tokens to emit: accepted
-        drafts then the correction / bonus token, their log-probs, top log-probs or None)."""
+        drafts then the correction / bonus token, their log-probs, top log-probs or None).
+        masks: logits row -> grammar masks [positions, words] (``_grammar_masks``)."""
         b = bucket(len(rows))
         t = self.verify_tokens
         idx, nd, drafts = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros((b, t - 1), np.int32)
@@ -151,6 +184,12 @@ class SpeculativeDecoder:
         n_lp = max(((s.params.logprobs or 0) for _, s in rows), default=0)
         n_lp = 0 if all(s.params.logprobs is None for _, s in rows) else bucket(max(n_lp, 1))
         greedy = all(s.params.greedy for _, s in rows)
+        if masks:
+            m = np.full((b, t, next(iter(masks.values())).shape[1]), -1, np.int32)
+            for j, (i, _) in enumerate(rows):
+                if i in masks:
+                    m[j, : len(masks[i])] = masks[i]
+            extra["masks"] = m
         out = verify_rows(logits, idx, drafts, nd, temp, top_k, top_p, min_p, seeds, steps, **extra,
                           all_greedy=greedy, penalties=penalties, num_logprobs=n_lp)
         accepted, tokens, lp, top_ids, top_lp = map(np.asarray, out)

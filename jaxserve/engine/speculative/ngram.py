@@ -9,6 +9,8 @@ import numpy as np
 
 
 class NgramProposer:
+    on_device = False  # drafts from propose() itself, on the host
+
     def __init__(self, k: int, n_max: int = 3, n_min: int = 1):
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")

@@ -3,8 +3,9 @@
 Row b of a verify call scored its last token and ``num_drafts[b]`` draft tokens: position j's
 logits are the target's next-token distribution after the draft tokens before j. Each position's
 distribution is processed as the sampler processes one (``jaxserve.engine.sampler``): penalties
-on the raw logits (the draft tokens before j counted as generated), temperature, top-k, top-p,
-min-p. Then, position by position:
+on the raw logits (the draft tokens before j counted as generated), a structured output's grammar
+mask at position j (after the drafts before j: a draft the grammar forbids was cut before the
+call, ``Constraints.draft_masks``), temperature, top-k, top-p, min-p. Then, position by position:
 
 - greedy rows accept draft j when it is the argmax; the first mismatch emits the argmax;
 - sampled rows accept draft j with probability p_j(draft_j) (the draft distribution of a
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.engine.sampler import row_noise
+from jaxserve.engine.sampler import row_noise, unpack_mask
 
 _ACCEPT_SALT = 0x5BEC  # the acceptance uniform's key, folded from the position's key
 
@@ -62,11 +63,12 @@ def _penalised(x, drafts, num_drafts, counts, seen, repetition, presence, freque
 
 @functools.partial(jax.jit, static_argnames=("all_greedy", "penalties", "num_logprobs"))
 def verify_rows(logits, rows, drafts, num_drafts, temperature, top_k, top_p, min_p, seeds, steps,
-                counts=None, seen=None, repetition=None, presence=None, frequency=None,
+                counts=None, seen=None, repetition=None, presence=None, frequency=None, masks=None,
                 *, all_greedy: bool, penalties: bool, num_logprobs: int):
     """logits f32 [L, T, V] (a verify program's output); rows int32 [B]: each row's logits row;
     drafts int32 [B, T-1] (``num_drafts[b]`` real ones); per-row sampling parameters as
-    ``sample_rows`` takes them ([B]; steps = tokens generated before this call).
+    ``sample_rows`` takes them ([B]; steps = tokens generated before this call); masks: None or
+    int32 [B, T, ceil(V / 32)], each position's allowed tokens (the sampler's packed layout).
 
     -> (accepted int32 [B]: drafts accepted, tokens int32 [B, T]: the accepted drafts then the
     emitted correction / bonus token (entries past ``accepted`` + 1 unused), logprob f32 [B, T] of
@@ -76,6 +78,9 @@ def verify_rows(logits, rows, drafts, num_drafts, temperature, top_k, top_p, min
     raw_lp = jax.nn.log_softmax(x, axis=-1)
     if penalties:
         x = _penalised(x, drafts, num_drafts, counts, seen, repetition, presence, frequency)
+    if masks is not None:  # each position's grammar mask, applied where the sampler applies it
+        allowed = unpack_mask(masks.reshape(b * t, -1), v).reshape(b, t, v)
+        x = jnp.where(allowed, x, -jnp.inf)
     greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)  # [B, T]
     real = jnp.arange(t - 1)[None, :] < num_drafts[:, None]
     if all_greedy:
