@@ -58,8 +58,7 @@ def main(argv=None) -> int:
     from jaxserve.agents.tool_parsers import make
     from jaxserve.bench.measure import machine_info, write_json
     from jaxserve.engine.sampling_params import SamplingParams
-    from jaxserve.server.openai_agent_fields import AgentRequest
-    from jaxserve.server.openai_agents import AgentFront
+    from jaxserve.server.agent_plan import AgentFront, AgentRequest
     from jaxserve.structured.compiler import GrammarCompiler
     from jaxserve.structured.spec import StructuredOutput
     from tests.agents.schemas import SCHEMAS, TOOL_PROMPTS, TOOLS, prompt
