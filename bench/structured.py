@@ -1,6 +1,6 @@
 """Structured outputs and tools on the default model, side by side in one run:
 
-1. decode tokens/s at 1 and 8 requests with a JSON-schema constraint on every request vs none
+1. decode tokens/s at 1, 8 and 32 requests (``--batches``) with a JSON-schema constraint on every request vs none
    (the same prompts, max_tokens and sampling; interleaved repetitions, the best of each);
 2. grammar compile time of the test schemas (fresh compiler, no cache);
 3. tool-call validity on a fixed suite of tool-use prompts (sampled, several seeds), with the
@@ -9,6 +9,7 @@
    arguments validate against the tool's schema; Wilson 95% intervals.
 
     .venv/bin/python bench/structured.py --json bench/results/structured.json
+    .venv/bin/python bench/structured.py --decode-only --batches 1 8 32 --json bench/results/structured_32.json
 """
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--tools-only", action="store_true", help="only the tool-call validity table")
+    ap.add_argument("--decode-only", action="store_true", help="only the decode rates (no compile times or tools)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="requests at once, per decode row")
     args = ap.parse_args(argv)
     sys.path.insert(0, ".")
     import jsonschema
@@ -55,13 +58,14 @@ def main(argv=None) -> int:
     from jaxserve.agents.tool_parsers import make
     from jaxserve.bench.measure import machine_info, write_json
     from jaxserve.engine.sampling_params import SamplingParams
-    from jaxserve.server.openai_agent_fields import AgentRequest
-    from jaxserve.server.openai_agents import AgentFront
+    from jaxserve.server.agent_plan import AgentFront, AgentRequest
     from jaxserve.structured.compiler import GrammarCompiler
     from jaxserve.structured.spec import StructuredOutput
     from tests.agents.schemas import SCHEMAS, TOOL_PROMPTS, TOOLS, prompt
 
-    llm = LLM(None, dtype="float32", kv_format="bf16", num_pages=256, page_size=16, max_num_seqs=8)
+    slots = max([8, *args.batches])  # a batch decodes as one step: ~135 tokens a request, 12 pages of 16 fit it
+    llm = LLM(None, dtype="float32", kv_format="bf16", num_pages=max(256, 12 * slots), page_size=16,
+              max_num_seqs=slots)
     log = []
     llm.engine.add_step_observer(log.append)
     # 1. decode rate: a schema whose answers run long (a list of 40 numbers), and the free prompt
@@ -69,29 +73,32 @@ def main(argv=None) -> int:
                                                            "minItems": 40, "maxItems": 40}}, "required": ["numbers"]}
     text = llm.apply_chat_template("List forty numbers as JSON: " + json.dumps(schema))
     rows = []
-    for batch in (() if args.tools_only else (1, 8)):
+    for batch in (() if args.tools_only else args.batches):
         prompts = [text] * batch
         free = [SamplingParams(max_tokens=args.max_tokens, temperature=0.7, seed=i, ignore_eos=True)
                 for i in range(batch)]
         cons = [SamplingParams(max_tokens=args.max_tokens, temperature=0.7, seed=i,
                                structured=StructuredOutput.json_schema(schema)) for i in range(batch)]
         decode_rate(llm, prompts, free, log), decode_rate(llm, prompts, cons, log)  # compile, untimed
+        st = llm.engine.constraints.stats
+        mask_s, mask_steps, wait_s = st.mask_seconds, st.mask_steps, st.mask_wait_seconds  # the timed runs' only
         best = {"none": None, "json_schema": None}
         for _ in range(args.reps):
             for name, params in (("none", free), ("json_schema", cons)):
                 r = decode_rate(llm, prompts, params, log)
                 if best[name] is None or r["decode_tok_s"] > best[name]["decode_tok_s"]:
                     best[name] = r
-        st = llm.engine.constraints.stats
+        steps = max(st.mask_steps - mask_steps, 1)
         rows.append({"batch": batch, **{f"{k}_decode_tok_s": v["decode_tok_s"] for k, v in best.items()},
                      **{f"{k}_tokens": v["tokens"] for k, v in best.items()},
                      "ratio": best["json_schema"]["decode_tok_s"] / best["none"]["decode_tok_s"],
-                     "mask_ms_per_step": 1e3 * st.mask_seconds / max(st.mask_steps, 1)})
+                     "mask_ms_per_step": 1e3 * (st.mask_seconds - mask_s) / steps,
+                     "mask_wait_ms_per_step": 1e3 * (st.mask_wait_seconds - wait_s) / steps})
         print(rows[-1], flush=True)
     # 2. compile times, fresh compiler
     comp = GrammarCompiler(llm.tokenizer, llm.cfg.vocab_size, llm.engine.eos_token_ids)
     times = []
-    for _, s in ([] if args.tools_only else SCHEMAS):
+    for _, s in ([] if args.tools_only or args.decode_only else SCHEMAS):
         t0 = time.perf_counter()
         comp.matcher(StructuredOutput.json_schema(s))
         times.append(time.perf_counter() - t0)
@@ -102,7 +109,7 @@ def main(argv=None) -> int:
     front = AgentFront(llm.tokenizer, llm.cfg.architecture, llm.cfg.model_type)
     params_of = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     validity = {}
-    for choice in ("auto", "required"):
+    for choice in (() if args.decode_only else ("auto", "required")):
         agent = AgentRequest(tools=TOOLS, tool_choice=choice, parallel=False)
         jobs, params = [], []
         for q, _ in TOOL_PROMPTS:

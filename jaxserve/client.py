@@ -9,6 +9,9 @@
         chat = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
         r = c.generate(chat, max_tokens=16, logprobs=3, n=2)  # a conversation; log-probs; 2 choices
         r.logprobs[0].logprob, r.logprobs[0].top, [ch.text for ch in r.choices]
+        r = c.generate([{"role": "user", "content": "Weather in Paris?"}], tools=[weather_tool],
+                       tool_choice="required")  # r.tool_calls[0].name, .arguments (JSON text)
+        r = c.generate("A colour as JSON:", structured={"json_schema": schema}, max_tokens=32)
 
 ``AsyncClient`` has the same methods as coroutines (``generate_stream`` returns an async
 iterator with ``.cancel()``). Errors are ``grpc.RpcError`` with the server's status code;
@@ -33,6 +36,7 @@ from typing import Iterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from jaxserve import client_agents
 from jaxserve.server.errors import retry_after_s
 from jaxserve.v1 import jaxserve_pb2 as pb
 from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
@@ -42,17 +46,24 @@ __all__ = ["Client", "AsyncClient", "build_request", "retry_after_s", "pb"]
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
              "frequency_penalty", "logprobs")
 FINISH_REASON_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                       pb.FINISH_REASON_ABORT: "abort", pb.FINISH_REASON_UNSPECIFIED: "unspecified"}
+                       pb.FINISH_REASON_ABORT: "abort", pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
+                       pb.FINISH_REASON_UNSPECIFIED: "unspecified"}
 
 
 def build_request(prompt: str | Sequence[int] | Sequence[dict], *, max_tokens: int | None = None,
                   stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool | None = None,
                   request_id: str = "", session_id: str = "", chat_template: bool = False, n: int | None = None,
+                  structured=None, tools=None, tool_choice=None, parallel_tool_calls: bool | None = None,
+                  parse_output: bool | None = None, chat_template_kwargs: dict | None = None,
                   **sampling) -> pb.GenerateRequest:
     """A GenerateRequest: a text prompt, token ids or a conversation ([{"role", "content"}],
-    rendered with the model's chat template), sampling keyword arguments (temperature, top_p,
-    top_k, min_p, seed, repetition_penalty, presence_penalty, frequency_penalty, logprobs),
-    stop criteria and n (completions); None means unset (the server default)."""
+    rendered with the model's chat template; tool calls and results as OpenAI writes them),
+    sampling keyword arguments (temperature, top_p, top_k, min_p, seed, repetition_penalty,
+    presence_penalty, frequency_penalty, logprobs), stop criteria and n (completions); None
+    means unset (the server default). Agent fields (``jaxserve.client_agents`` gives their
+    shapes): ``structured`` (a JSON schema, any JSON object, a regex or a Lark grammar; also
+    OpenAI's response_format), and for conversations ``tools``, ``tool_choice``,
+    ``parallel_tool_calls``, ``parse_output`` and ``chat_template_kwargs``."""
     unknown = set(sampling) - set(_SAMPLING)
     if unknown:
         raise TypeError(f"unknown sampling arguments {sorted(unknown)}; known: {list(_SAMPLING)}")
@@ -61,7 +72,7 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict], *, max_tokens: i
     if isinstance(prompt, str):
         req.text = prompt
     elif len(prompt) and all(isinstance(m, dict) for m in prompt):
-        req.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+        req.messages.extend(client_agents.chat_message(m) for m in prompt)
     else:
         req.token_ids.ids.extend(int(t) for t in prompt)
         req.token_ids.SetInParent()  # an empty id list is still "token ids" (the server says: empty prompt)
@@ -74,11 +85,13 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict], *, max_tokens: i
         req.stop.ignore_eos = ignore_eos
     req.stop.stop.extend([stop] if isinstance(stop, str) else stop)
     req.stop.stop_token_ids.extend(stop_token_ids)
+    client_agents.set_agent_fields(req, structured, tools, tool_choice, parallel_tool_calls, parse_output,
+                                   chat_template_kwargs)
     return req
 
 
 def finish_reason(msg) -> str:
-    """"stop" | "length" | "abort" of a GenerateResponse or StreamEnd."""
+    """"stop" | "length" | "abort" | "tool_calls" of a GenerateResponse or StreamEnd."""
     return FINISH_REASON_NAMES[msg.finish_reason]
 
 

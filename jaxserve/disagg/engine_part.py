@@ -74,11 +74,14 @@ class KvHandoff:
             self.layout(export_kv)  # ValueError for an unknown format
 
     def check_import(self, imp: KvImport, ids: list[int]) -> None:
-        """ValueError for an import this engine cannot map: its role does not decode, or the
-        pages do not fit the prompt in this pool's format and page size."""
+        """ValueError for an import this engine cannot map: its role does not decode, the pages
+        do not fit the prompt in this pool's format and page size, or they hold other ids."""
         if not self.role.decodes:
             raise ValueError("a prefill worker does not decode handed-off requests")
         p, page_size = imp.payload, self.config.page_size
+        if imp.token_ids is not None and list(imp.token_ids) != list(ids):
+            raise ValueError(f"the handed-off KV holds another prompt ({len(imp.token_ids)} tokens) than this "
+                             f"worker's rendering of the request ({len(ids)} tokens)")
         if p.fmt != self.kv_format or p.num_pages != -(-len(ids) // page_size):
             raise ValueError(f"the handed-off KV ({p.num_pages} {p.fmt} pages) does not fit a {len(ids)}-token "
                              f"prompt in {self.kv_format} pages of {page_size}")

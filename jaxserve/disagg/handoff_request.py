@@ -16,6 +16,9 @@ class KvImport:
     first_token: int
     cached_tokens: int = 0
     recompute_on_failure: bool = False  # a digest mismatch: prefill locally instead of failing
+    # The prompt ids the pages hold, when the receiver computes the prompt itself (a chat
+    # request it renders again for its own plan): they must be the ids it computed.
+    token_ids: list[int] | None = None
 
 
 class KvHandoffError(RuntimeError):

@@ -200,8 +200,12 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
             if offer.address and e.code != grpc.StatusCode.INVALID_ARGUMENT:
                 self._release_later(offer, md, pulled=False)  # refused: the prefill worker may free it now
             await context.abort(e.code, e.message, e.trailing_metadata())
-        req.token_ids.CopyFrom(pb.TokenIds(ids=list(offer.prompt_token_ids)))  # the ids the pages hold
-        req.apply_chat_template = False
+        held = list(offer.prompt_token_ids)  # the ids the pages hold
+        if not req.messages:
+            req.token_ids.CopyFrom(pb.TokenIds(ids=held))
+            req.apply_chat_template = False
+        # A chat request is rendered here again: its plan (the grammar of a tool choice, the output
+        # parser) is built from its messages, and the engine checks the ids equal the pages' ids.
         if not req.sampling.HasField("seed"):
             req.sampling.seed = offer.sampling_seed
         kw = None
@@ -210,7 +214,7 @@ class KvHandoffService(hpb_grpc.KvHandoffServicer):
                 raise PullError("expired", f"KV offer {offer.transfer_id} has expired")
             payload = await self._pull(offer, md)
             kw = dict(kv_import=KvImport(payload, offer.digest, offer.first_token_ids[0], offer.cached_tokens,
-                                         request.recompute_on_failure))
+                                         request.recompute_on_failure, held))
         except PullError as e:
             self.metrics.handoff_failures.labels(e.cause).inc()
             log.warning("KV handoff %s: %s%s", offer.transfer_id, e,

@@ -159,11 +159,23 @@ def abort_events(route: Route, prompt_tokens: int):
                                                      usage=pb.Usage(prompt_tokens=prompt_tokens)))
 
 
+def add_call_deltas(calls: dict[int, pb.ToolCall], deltas) -> None:
+    """Join streamed ToolCallDeltas into ``calls`` (index -> ToolCall): the first of an index
+    names the call (id, name), every one appends to its arguments."""
+    for d in deltas:
+        call = calls.setdefault(d.index, pb.ToolCall())
+        call.id = call.id or d.id
+        call.name = call.name or d.name
+        call.arguments += d.arguments
+
+
 async def collect_response(events, request_id: str, session_id: str, n: int = 1) -> pb.GenerateResponse:
     """A unary GenerateResponse from a worker stream's events, as a worker's Generate builds it:
-    choice 0 in the top-level fields; with n > 1 every choice in ``choices``, the completion
+    choice 0 in the top-level fields (a parsed output's content, reasoning text and tool calls
+    too: the stream's pieces joined); with n > 1 every choice in ``choices``, the completion
     tokens summed and the timing spanning them all."""
     choices, ends = [pb.Choice(index=i) for i in range(n)], [None] * n
+    calls: list[dict[int, pb.ToolCall]] = [{} for _ in range(n)]
     async for msg in events:
         kind = msg.WhichOneof("event")
         if kind == "delta":
@@ -171,14 +183,20 @@ async def collect_response(events, request_id: str, session_id: str, n: int = 1)
             c.token_ids.extend(msg.delta.token_ids)
             c.text += msg.delta.text
             c.logprobs.extend(msg.delta.logprobs)
+            c.content += msg.delta.content
+            c.reasoning_text += msg.delta.reasoning_text
+            add_call_deltas(calls[msg.delta.index], msg.delta.tool_calls)
         elif kind == "end":
             ends[msg.end.index] = msg.end
             choices[msg.end.index].finish_reason = msg.end.finish_reason
             choices[msg.end.index].completion_tokens = msg.end.usage.completion_tokens
+    for c, by_index in zip(choices, calls):
+        c.tool_calls.extend(by_index[i] for i in sorted(by_index))
     first, end = choices[0], ends[0] or pb.StreamEnd()
     resp = pb.GenerateResponse(request_id=request_id, session_id=session_id, token_ids=first.token_ids,
                                text=first.text, finish_reason=end.finish_reason, usage=end.usage,
-                               timing=end.timing, logprobs=first.logprobs)
+                               timing=end.timing, logprobs=first.logprobs, content=first.content,
+                               reasoning_text=first.reasoning_text, tool_calls=first.tool_calls)
     if n > 1:
         done = [e for e in ends if e is not None]
         resp.usage.completion_tokens = sum(e.usage.completion_tokens for e in done)

@@ -120,8 +120,8 @@ class RouterService(pb_grpc.JaxServeServicer):
 
     def _reason(self, end: pb.StreamEnd) -> str:
         self.metrics.cached_tokens.inc(end.usage.cached_tokens)
-        return {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                pb.FINISH_REASON_ABORT: "abort"}.get(end.finish_reason, "unspecified")
+        return {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort",
+                pb.FINISH_REASON_TOOL_CALLS: "stop"}.get(end.finish_reason, "unspecified")  # as the worker counts it
 
     async def GenerateStream(self, request, context):
         route, outcome, events, peer = None, "internal", None, context.peer() or ""

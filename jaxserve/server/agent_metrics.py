@@ -16,6 +16,9 @@ class AgentMetrics:
             "mask_seconds": Counter("jaxserve_grammar_mask_seconds", "Host time computing token masks (divide by "
                                     "jaxserve_grammar_mask_steps for the time per step)", registry=r),
             "mask_steps": Counter("jaxserve_grammar_mask_steps", "Sampling calls with a constrained row", registry=r),
+            "mask_wait_seconds": Counter("jaxserve_grammar_mask_wait_seconds", "Host time the sampler waited for "
+                                         "token masks (those computed while the device ran the step and not ready "
+                                         "yet, or computed then)", registry=r),
             "invalid_outputs": Counter("jaxserve_structured_invalid_outputs", "Sampled tokens a grammar refused",
                                        registry=r),
         }

@@ -42,6 +42,7 @@ def register_client(sub) -> None:
                    help="wrap the text prompt in the model's chat template as a user turn")
     g.add_argument("--session", default="", help="session id (sent as x-session-affinity)")
     g.add_argument("--request-id", default="")
+    _agent_arguments(g)
     g.set_defaults(func=_client_generate)
 
     csub.add_parser("info", help="model info (JSON)").set_defaults(func=_client_info)
@@ -58,6 +59,50 @@ def register_client(sub) -> None:
     a = csub.add_parser("abort", help="abort running requests by id")
     a.add_argument("request_ids", nargs="+")
     a.set_defaults(func=_client_abort)
+
+
+def _agent_arguments(g) -> None:
+    """Structured outputs and tools (a text prompt with any of them goes as one user turn)."""
+    c = g.add_mutually_exclusive_group()
+    c.add_argument("--json-schema", default=None, help="constrain the output to this JSON schema (JSON text or @FILE)")
+    c.add_argument("--json-object", action="store_true", help="constrain the output to a JSON object")
+    c.add_argument("--regex", default=None, help="constrain the output to match this regex")
+    c.add_argument("--grammar", default=None, help="constrain the output to this Lark grammar (text or @FILE)")
+    g.add_argument("--tools", default=None,
+                   help="functions the model may call: a JSON list of OpenAI tools or functions (or @FILE)")
+    g.add_argument("--tool-choice", default=None,
+                   help="none | auto | required | the NAME of a function that must be called")
+    g.add_argument("--parallel-tool-calls", action=argparse.BooleanOptionalAction, default=None,
+                   help="let the model make several calls (server default: yes)")
+
+
+def _text_or_file(value: str | None) -> str | None:
+    if value is not None and value.startswith("@"):
+        with open(value[1:], encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+def agent_kwargs(args) -> dict:
+    """build_request's agent keyword arguments from the generate flags ({} when none is given)."""
+    kw = {}
+    schema, grammar = _text_or_file(args.json_schema), _text_or_file(args.grammar)
+    for kind, value in (("json_schema", schema), ("regex", args.regex), ("grammar", grammar),
+                        ("json_object", args.json_object or None)):
+        if value is not None:
+            kw["structured"] = {kind: value}
+    if args.tools is not None:
+        tools = json.loads(_text_or_file(args.tools))
+        if not isinstance(tools, list):
+            raise ValueError("--tools must be a JSON list")
+        kw["tools"] = tools
+    if args.tool_choice is not None:
+        from jaxserve.client_agents import CHOICES
+
+        kw["tool_choice"] = args.tool_choice if args.tool_choice in CHOICES else {"name": args.tool_choice}
+    if args.parallel_tool_calls is not None:
+        kw["parallel_tool_calls"] = args.parallel_tool_calls
+    return kw
 
 
 def _connection(args) -> dict:
@@ -101,12 +146,20 @@ def _client_generate(client, args) -> int:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise ValueError("give a text prompt or --prompt-ids (one of them)")
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
+    agent = agent_kwargs(args)
+    chat = args.chat_template and args.prompt is not None
+    if chat and set(agent) - {"structured"}:  # tools need a conversation
+        prompt, chat = [{"role": "user", "content": args.prompt}], False
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
               seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos or None, session_id=args.session,
-              request_id=args.request_id, chat_template=args.chat_template and args.prompt is not None)
+              request_id=args.request_id, chat_template=chat, **agent)
     if not args.stream:
         r = client.generate(prompt, **kw)
-        print(r.text if r.text else list(r.token_ids))
+        text = r.content if r.content or r.tool_calls else r.text  # parsed: the answer beside its calls
+        if text or not r.tool_calls:
+            print(text or list(r.token_ids))
+        for c in r.tool_calls:  # one JSON object a line
+            print(json.dumps({"id": c.id, "name": c.name, "arguments": c.arguments}))
         end, rid = r, r.request_id
     else:
         end = rid = None

@@ -109,8 +109,8 @@ async def plan(core, front: agent_plan.AgentFront, req: pb.GenerateRequest, para
     renders off the event loop, plans, and refuses a grammar that cannot compile. Errors name
     the field at fault in their message (gRPC has no separate field for it)."""
     try:
+        check_chat(req.messages, core.limits, tool_texts(req))  # before parsing the tools and templating
         agent = agent_request(req)
-        check_chat(req.messages, core.limits)  # before templating them
         ids, text = await core.off_loop(text_of(req), render, front, req, agent, core.limits.max_messages)
         p = front.plan(True, agent, text)
         params = [dataclasses.replace(s, **p.sampling()) for s in params]
@@ -121,6 +121,11 @@ async def plan(core, front: agent_plan.AgentFront, req: pb.GenerateRequest, para
             e.message = f"{e.param}: {e.message}"
         raise
     return ids, params, (p if parses(req) else None)
+
+
+def tool_texts(req: pb.GenerateRequest) -> list[str]:
+    """Each tool's definition as sent (what --max-prompt-bytes counts beside the messages)."""
+    return [t.name + t.description + t.parameters for t in req.tools]
 
 
 def text_of(req: pb.GenerateRequest) -> str:

@@ -100,13 +100,17 @@ def check_text(text: str, limits: ServeLimits, what: str = "the prompt text") ->
                                       f"(--max-prompt-bytes)")
 
 
-def check_chat(messages, limits: ServeLimits) -> None:
-    """A conversation (objects with role and content) within --max-messages and, roles and
-    contents together, --max-prompt-bytes: checked before it is templated."""
+def check_chat(messages, limits: ServeLimits, tools=()) -> None:
+    """A conversation (objects with role and content) within --max-messages and, roles,
+    contents and the tools' definitions together, --max-prompt-bytes: checked before it is
+    templated (the template writes the tools into the prompt). ``tools``: each tool's text as
+    the front received it (an OpenAI function as JSON, a gRPC Tool's name, description and
+    parameters)."""
     if len(messages) > limits.max_messages:
         raise errors.invalid_argument(f"{len(messages)} messages; the limit is {limits.max_messages} "
                                       f"(--max-messages)", "messages")
-    check_text("".join(_role(m) + _content(m) for m in messages), limits, "the messages")
+    text = "".join(_role(m) + _content(m) for m in messages) + "".join(tools)
+    check_text(text, limits, "the messages and tools" if tools else "the messages")
 
 
 def _role(m) -> str:

@@ -11,6 +11,7 @@ response, has its request aborted and its pages freed at once.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -148,7 +149,7 @@ class OpenAIFrontEnd:
         self.gens.check_serving()
         check_stop(req.stop, req.sampling["stop_token_ids"], core.limits)
         if req.messages is not None:
-            check_chat(req.messages, core.limits)
+            check_chat(req.messages, core.limits, [json.dumps(t, ensure_ascii=False) for t in req.agent.tools])
         else:
             check_text(req.text, core.limits)
         ids, prompt_text = await self._prompt_ids(req)

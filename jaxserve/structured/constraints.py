@@ -39,6 +39,7 @@ class ConstraintStats:
     mask_rows: int = 0  # masks computed
     mask_seconds: float = 0.0  # host time computing them
     mask_steps: int = 0  # sampling calls with at least one constrained row
+    mask_wait_seconds: float = 0.0  # the sampler's wait for masks (prefetched ones not ready yet, or computed then)
     invalid_outputs: int = 0  # a sampled token the grammar refused (the row runs on unconstrained)
     grammar_stops: int = 0  # requests the grammar ended (complete, nothing more allowed)
     draft_tokens_cut: int = 0  # speculative draft tokens dropped because the grammar forbids them
@@ -106,7 +107,9 @@ class Constraints:
         sampler takes all ones). ``prefetched``: a ``prefetch`` future over these sequences."""
         if not any(s.grammar is not None for s in seqs):
             return None
+        t0 = time.perf_counter()
         got = prefetched.result() if prefetched is not None else self._compute(seqs)
+        self.stats.mask_wait_seconds += time.perf_counter() - t0
         mask = np.full((len(seqs), self.words), -1, np.int32)
         for j, s in enumerate(seqs):
             if s.request_id in got:

@@ -3,7 +3,8 @@ server on the real default model (SmolLM2-135M-Instruct): every JSON-schema answ
 (and without the constraint most do not), regex and Lark constraints hold, required and named
 tool choices return calls whose arguments validate, streaming equals the whole response, a
 grammar that cannot compile is a 400 naming it, and nothing compiles after warm-up with
-constrained and unconstrained requests in the same batches."""
+constrained and unconstrained requests in the same batches. The same server's gRPC front is
+checked too (a few schemas and tool choices, streams against unary responses)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -218,3 +219,54 @@ def test_n_choices_each_follow_the_schema(client):
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
     out = chat(client, prompt(what), n=2, temperature=0.9, seed=3, response_format=rf)
     assert len(out.choices) == 2 and all(valid(c.message.content, schema) for c in out.choices)
+
+
+def grpc_assemble(events) -> dict:
+    """A gRPC stream joined: token ids, text, content, tool calls (id, name, arguments), finish reason."""
+    out = dict(token_ids=[], text="", content="", calls={}, finish_reason=None)
+    for ev in events:
+        if ev.HasField("delta"):
+            out["token_ids"] += ev.delta.token_ids
+            out["text"] += ev.delta.text
+            out["content"] += ev.delta.content
+            for c in ev.delta.tool_calls:
+                old = out["calls"].get(c.index, ("", "", ""))
+                out["calls"][c.index] = (old[0] or c.id, old[1] or c.name, old[2] + c.arguments)
+        elif ev.HasField("end"):
+            out["finish_reason"] = ev.end.finish_reason
+    out["calls"] = [out["calls"][i] for i in sorted(out["calls"])]
+    return out
+
+
+def grpc_whole(resp) -> dict:
+    return dict(token_ids=list(resp.token_ids), text=resp.text, content=resp.content,
+                calls=[(c.id, c.name, c.arguments) for c in resp.tool_calls], finish_reason=resp.finish_reason)
+
+
+def test_grpc_schemas_and_tool_choices_validate_and_streams_equal_the_whole(server):
+    """The gRPC front on the same server (jaxserve.client's agent arguments): JSON-schema answers
+    validate, required and named tool choices return one call whose arguments validate, and a
+    stream of each kind equals its unary response token for token and in the assembled calls."""
+    from jaxserve.client import Client, build_request
+    from jaxserve.v1 import jaxserve_pb2 as pb
+
+    picked = [SCHEMAS[i] for i in (0, 3, 5)]
+    reqs = [build_request([{"role": "user", "content": prompt(w) + " Schema: " + json.dumps(s)}], max_tokens=96,
+                          structured={"json_schema": s}, request_id=f"grpc-schema-{i}")
+            for i, (w, s) in enumerate(picked)]
+    (q1, _), (q2, named) = TOOL_PROMPTS[0], TOOL_PROMPTS[1]
+    reqs += [build_request([{"role": "user", "content": q}], max_tokens=80, tools=TOOLS, tool_choice=choice,
+                           parallel_tool_calls=False, request_id=f"grpc-tool-{i}")
+             for i, (q, choice) in enumerate([(q1, "required"), (q2, {"name": named})])]
+    with Client(server[0].target, timeout=300) as c:
+        outs = parallel(lambda r: c.stub.Generate(r, timeout=300), reqs)
+        for (what, schema), out in zip(picked, outs[:3]):
+            assert out.finish_reason == pb.FINISH_REASON_STOP and valid(out.text, schema), (what, out.text)
+        for out, want in zip(outs[3:], (None, named)):
+            assert out.finish_reason == pb.FINISH_REASON_TOOL_CALLS and len(out.tool_calls) == 1, out
+            call = out.tool_calls[0]
+            assert want is None or call.name == want
+            jsonschema.validate(json.loads(call.arguments), tool_by_name(call.name)["function"]["parameters"])
+        streams = parallel(lambda r: grpc_assemble(c.stub.GenerateStream(r, timeout=300)), [reqs[0], reqs[3]])
+    for got, out in zip(streams, (outs[0], outs[3])):
+        assert got == grpc_whole(out)

@@ -12,9 +12,10 @@ from jaxserve.server.auth import PeerCredentials
 from jaxserve.v1 import handoff_pb2 as hpb
 from jaxserve.v1 import handoff_pb2_grpc as hpb_grpc
 
-# Small batches: few warm-up buckets (each worker compiles its own, cold in CI).
+# Small batches: few warm-up buckets (each worker compiles its own, cold in CI); a context that
+# holds a chat prompt with tools described in it (tests/server/constrained.py) and its call.
 ENGINE_KW = dict(num_pages=48, page_size=8, max_num_seqs=2, max_prefill_seqs=1, prefill_chunk=32,
-                 max_num_batched_tokens=32, max_model_len=128)
+                 max_num_batched_tokens=32, max_model_len=256)
 
 
 def worker_args(model: str, *extra: str) -> list[str]:

@@ -19,13 +19,17 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jaxserve.client import Client
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.disagg.client import generate_disaggregated, worker_info
+from jaxserve.disagg.handoff_request import KvImport
+from jaxserve.router.app import RouterThread
 from jaxserve.v1 import handoff_pb2 as hpb
 from jaxserve.v1 import handoff_pb2_grpc as hpb_grpc
 from jaxserve.v1 import jaxserve_pb2 as pb
 
 from .conftest import IDS_A, IDS_B, metric, scrape
+from .constrained import assemble, check_schema_answer, check_tool_answer, schema_request, tool_request, whole
 from .disagg_setup import ENGINE_KW, import_reference, metrics_port, prefill, pull_bytes, release, \
     served_address, worker_args
 from .serve_process import ServeProcess, server_env
@@ -176,6 +180,11 @@ def test_bf16_to_fp8_handoff_reads_the_converted_pages(workers, references):
         params = SamplingParams(**{**PROMPTS[name][1], "seed": offer.sampling_seed})
         want = import_reference(fp8, offer, conv, params, f"ref-{name}")
         assert _decode(addrs["decode_fp8"], req, offer) == want, name
+        # Pages that hold other ids than the receiver's own rendering of the prompt: refused.
+        other = list(offer.prompt_token_ids[:-1]) + [offer.prompt_token_ids[-1] + 1]
+        with pytest.raises(ValueError, match="another prompt"):
+            fp8.engine.add_request(other, params, f"ref-other-{name}", kv_import=KvImport(
+                conv, offer.digest, offer.first_token_ids[0], token_ids=list(offer.prompt_token_ids)))
         assert release(addrs["prefill"], raw_offer)  # the raw offer nobody decodes
 
 
@@ -255,6 +264,28 @@ def test_log_probs_are_refused_with_a_handoff(workers):
         with pytest.raises(grpc.RpcError) as e:
             call()
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "log-probs" in e.value.details()
+
+
+@pytest.mark.parametrize("kind", ["schema", "tool"])
+def test_constrained_requests_hand_off_as_they_run_colocated(workers, kind):
+    """A JSON-schema request and a required tool call through the router over the prefill worker
+    and the bf16 decode worker: the prefill worker's first token is sampled under the grammar,
+    the decode worker starts its own grammar state with it. Greedy and sampled, unary and
+    streamed, they equal the decode worker's own (colocated) answers, which validate."""
+    procs, addrs = workers
+    build, check = {"schema": (schema_request, check_schema_answer), "tool": (tool_request, check_tool_answer)}[kind]
+    offers = lambda: metric(metrics(procs, "prefill"), "jaxserve_kv_handoff_offers_total")  # noqa: E731
+    before = offers()
+    with RouterThread([(addrs["prefill"], "prefill"), (addrs["decode_bf16"], "decode")], health_interval_s=0.1,
+                      health_timeout_s=2.0) as rt, Client(rt.target, timeout=60) as via, \
+            Client(addrs["decode_bf16"], timeout=60) as direct:
+        for sampled in (False, True):
+            req = build(f"rq-{kind}-{sampled:d}", sampled)
+            want = direct.stub.Generate(req, timeout=60)
+            check(want)
+            assert whole(via.stub.Generate(req, timeout=60)) == whole(want), sampled
+            assert assemble(via.stub.GenerateStream(req, timeout=60)) == whole(want), sampled
+    assert offers() == before + 4  # every routed request was handed off
 
 
 def test_no_pages_left_then_prefill_worker_killed_mid_pull(workers, references):

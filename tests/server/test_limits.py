@@ -9,7 +9,9 @@ import pytest
 
 from jaxserve.server.limits import PROMPT_BYTES_PER_TOKEN, ServeLimits
 
-from .conftest import IDS_A, LIMITS, eventually, metric
+from jaxserve.v1 import jaxserve_pb2 as pb
+
+from .conftest import IDS_A, LIMITS, MODEL_NAME, eventually, http_call, metric
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 DEFAULTS = ServeLimits()
@@ -39,6 +41,26 @@ def test_each_limit_is_invalid_argument_naming_its_flag(mock_served, name):
         assert e.value.code() == INVALID and flag in e.value.details(), e.value.details()
     if name in AT_LIMIT:
         assert mock_served.client.generate([5, 6], max_tokens=2, ignore_eos=True, **AT_LIMIT[name]).token_ids
+    assert mock_served.kv().used == 0
+
+
+def test_tool_definitions_count_toward_the_prompt_limit_on_both_fronts(mock_served):
+    """Messages and tools each under --max-prompt-bytes, together over it: refused before the
+    template writes the tools into the prompt (gRPC INVALID_ARGUMENT, HTTP 400), nothing run."""
+    half = "d" * (LIMITS["max_prompt_bytes"] // 2 + 16)
+    tool = pb.Tool(name="lookup", description=half, parameters='{"type": "object"}')
+    req = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=half)], tools=[tool],
+                             stop=pb.StopCriteria(max_tokens=2))
+    for call in (mock_served.client.stub.Generate, lambda r: list(mock_served.client.stub.GenerateStream(r))):
+        with pytest.raises(grpc.RpcError) as e:
+            call(req)
+        assert e.value.code() == INVALID and "--max-prompt-bytes" in e.value.details(), e.value.details()
+        assert "tools" in e.value.details()
+    fn = {"name": "lookup", "description": half, "parameters": {"type": "object"}}
+    status, body, _ = http_call(mock_served.http_target + "/chat/completions", {
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": half}], "max_tokens": 2,
+        "tools": [{"type": "function", "function": fn}]})
+    assert status == 400 and "--max-prompt-bytes" in body["error"]["message"], body
     assert mock_served.kv().used == 0
 
 

@@ -2,7 +2,8 @@
 worker's (tokens, texts, errors), a session keeps its worker, a shared prefix goes where it is
 cached, and a stopped worker is taken out while requests keep succeeding. The workers are servers
 over the mock engine (``jaxserve.testing.MockLLM``, in this process: greedy tokens are the
-previous + 1); one test routes to the real tiny model's server (``served``).
+previous + 1); two tests route to the real tiny model's server (``served``): its tokens, and
+its constrained answers (a JSON schema, a required tool call).
 The tests run in order: the cluster's last two stop a worker, then the router."""
 import re
 import signal
@@ -16,6 +17,7 @@ import pytest
 from jaxserve.client import Client, build_request, finish_reason
 
 from .conftest import IDS_A, IDS_B, MOCK_ENGINE, MOCK_TEXT, eventually, mock_text
+from .constrained import assemble, check_schema_answer, check_tool_answer, schema_request, tool_request, whole
 from .serve_process import ServeProcess, server_env
 
 CASES = [
@@ -193,3 +195,20 @@ def test_a_real_models_tokens_come_through_the_router(served, cases):
             assert (list(r.token_ids), r.text, finish_reason(r)) == (list(want), want.text, want.finish_reason), name
             streamed = list(client.generate_stream(prompt, **kw))
             assert [t for e in streamed if e.WhichOneof("event") == "delta" for t in e.delta.token_ids] == list(want)
+
+
+def test_constrained_requests_come_through_the_router_as_the_worker_answers(served):
+    """A JSON-schema request and a required tool call through the router to the tiny model's
+    server: unary (assembled by the router from the worker's stream: content and tool calls
+    included) and streamed, they equal the worker's own answers, which validate."""
+    from jaxserve.router.app import RouterThread
+
+    with RouterThread([(served.target, "both")], health_interval_s=0.1, health_timeout_s=2.0) as rt, \
+            Client(rt.target, timeout=60) as client:
+        for build, check in ((schema_request, check_schema_answer), (tool_request, check_tool_answer)):
+            for sampled in (False, True):
+                req = build(f"routed-{build.__name__}-{sampled:d}", sampled)
+                want = served.client.stub.Generate(req, timeout=60)
+                check(want)
+                assert whole(client.stub.Generate(req, timeout=60)) == whole(want), (build.__name__, sampled)
+                assert assemble(client.stub.GenerateStream(req, timeout=60)) == whole(want), (build.__name__, sampled)
