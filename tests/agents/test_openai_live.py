@@ -16,6 +16,7 @@ import jsonschema
 import pytest
 
 from tests.agents.schemas import SCHEMAS, TOOL_PROMPTS, TOOLS, prompt
+from tests.server.constrained import assemble as grpc_assemble, whole as grpc_whole
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow  # one server on the real model: its warm-up compiles ~20 programs
@@ -219,28 +220,6 @@ def test_n_choices_each_follow_the_schema(client):
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
     out = chat(client, prompt(what), n=2, temperature=0.9, seed=3, response_format=rf)
     assert len(out.choices) == 2 and all(valid(c.message.content, schema) for c in out.choices)
-
-
-def grpc_assemble(events) -> dict:
-    """A gRPC stream joined: token ids, text, content, tool calls (id, name, arguments), finish reason."""
-    out = dict(token_ids=[], text="", content="", calls={}, finish_reason=None)
-    for ev in events:
-        if ev.HasField("delta"):
-            out["token_ids"] += ev.delta.token_ids
-            out["text"] += ev.delta.text
-            out["content"] += ev.delta.content
-            for c in ev.delta.tool_calls:
-                old = out["calls"].get(c.index, ("", "", ""))
-                out["calls"][c.index] = (old[0] or c.id, old[1] or c.name, old[2] + c.arguments)
-        elif ev.HasField("end"):
-            out["finish_reason"] = ev.end.finish_reason
-    out["calls"] = [out["calls"][i] for i in sorted(out["calls"])]
-    return out
-
-
-def grpc_whole(resp) -> dict:
-    return dict(token_ids=list(resp.token_ids), text=resp.text, content=resp.content,
-                calls=[(c.id, c.name, c.arguments) for c in resp.tool_calls], finish_reason=resp.finish_reason)
 
 
 def test_grpc_schemas_and_tool_choices_validate_and_streams_equal_the_whole(server):
