@@ -118,3 +118,30 @@ def test_fingerprint_covers_weights_and_declared_formats(tiny_ckpt, tmp_path, en
         p.handoff_fingerprint()
     assert LLM(tiny_ckpt, kv_format="bf16", role="decode", decode_weights="int8",
                **ENGINE).engine.handoff_fingerprint() != p.handoff_fingerprint()
+
+
+def test_a_speculating_decode_worker_continues_a_handoff_as_one_engine(tiny_ckpt, engines):
+    """n-gram speculation on the decode side of a handoff: the imported pages are drafted over,
+    verified and rolled back like local ones, and greedy tokens equal one plain engine's."""
+    from jaxserve import LLM
+
+    p, _, ref = engines
+    prompt = [3, 17, 42, 9, 88, 3, 17, 42, 9, 88, 3, 17]  # repeats: the proposer finds matches at once
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = list(ref.generate([prompt], params)[0])
+    spec = LLM(tiny_ckpt, kv_format="bf16", role="decode", speculative="ngram", num_speculative_tokens=3,
+               **ENGINE).engine
+    p.add_request(prompt, params, "p-spec", export_kv="bf16")
+    out = None
+    while p.has_unfinished():
+        out = next((o for o in p.step() if o.finished), out)
+    payload = out.kv_export
+    spec.add_request(prompt, params, "d-spec", kv_import=KvImport(payload, digest_hex(payload.digest), want[0]))
+    toks = []
+    while spec.has_unfinished():
+        for o in spec.step():
+            toks += o.new_token_ids
+            assert o.error is None
+    assert toks == want  # the offer's first token is emitted by the decode side too
+    assert 0 < spec.spec.accepted < spec.spec.drafted  # drafts accepted and rolled back over imported pages
+    assert spec.snapshot().integrity_mismatches == {} and spec.bm.num_used_pages == 0
