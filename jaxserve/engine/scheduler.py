@@ -72,7 +72,6 @@ class Scheduler:
         self.bm = block_manager
         self.policy = config.share_policy()
         self.presence = fair_share.Presence(self.policy.linger_steps)
-        self._present: frozenset[str] = frozenset()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, in admission order
         self.num_preemptions = 0  # since start
@@ -85,13 +84,13 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def schedule(self) -> SchedulerOutput:
-        self._present = self.presence.tick(self.waiting, self.running)
+        present = self.presence.tick(self.waiting, self.running)
         for victim in fair_share.slot_victims(self.waiting, self.running, self.config.max_num_seqs,
-                                              self.config.max_prefill_seqs, self.policy, self._present):
+                                              self.config.max_prefill_seqs, self.policy, present):
             self.preempt(victim)
         decode = self._schedule_decode()
         imported: list[Sequence] = []
-        prefill = self._schedule_prefill(imported)
+        prefill = self._schedule_prefill(imported, present)
         return SchedulerOutput(prefill, decode, imported)
 
     # ------------------------------------------------------------------ decode
@@ -136,7 +135,7 @@ class Scheduler:
         return fair_share.pressure_victim(candidates, fair_share.running_counts(self.running), self.policy)
 
     # ------------------------------------------------------------------ prefill
-    def _schedule_prefill(self, imported: list[Sequence]) -> list[ScheduledChunk]:
+    def _schedule_prefill(self, imported: list[Sequence], present: frozenset[str]) -> list[ScheduledChunk]:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
@@ -158,7 +157,7 @@ class Scheduler:
             if len(self.running) >= cfg.max_num_seqs:
                 break
             seq = fair_share.next_waiting(self.waiting, fair_share.running_counts(self.running), self.policy,
-                                          self._present)
+                                          present)
             if seq is None:
                 break  # every waiting client is at its bound while another is present
             tokens = seq.all_ids[:-1] if seq.output_ids else seq.prompt_ids

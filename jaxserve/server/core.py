@@ -19,7 +19,7 @@ from jaxserve.server.auth import ApiKeys
 from jaxserve.server.engine_loop import EngineLoop, RequestStream
 from jaxserve.server.errors import ServeError
 from jaxserve.server.events import Failed
-from jaxserve.server.generations import Generations, client_identity
+from jaxserve.server.generations import Generations
 from jaxserve.server.limits import ServeLimits, StreamSlots, watch_unread
 from jaxserve.server.refusals import RefusalBudget
 
@@ -68,12 +68,12 @@ class ServingCore:
         """The caller's identity from its headers (None: a key is required and missing or wrong)."""
         return self.keys.identity(metadata)
 
-    async def past_the_door(self, owner: str, peer: str, checks):
+    async def past_the_door(self, owner: str, checks):
         """``await checks()`` (a request's checks and submission) for a caller whose refusal
         bucket (``refusals``; API keys only) is not empty, else RESOURCE_EXHAUSTED / 429 before
         anything of the request is read; a refusal ``checks`` raises that is the caller's fault
         is counted against it."""
-        key = client_identity(owner, peer) if self.keys.enabled else ""
+        key = owner if self.keys.enabled else ""  # with keys, every caller's owner is its key's identity
         wait = self.refusals.closed_for(key) if key else None
         if wait is not None:
             raise errors.refused_at_door(wait)

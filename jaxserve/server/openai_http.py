@@ -135,8 +135,7 @@ class OpenAIFrontEnd:
         (ServeError, ClientDisconnect, ...) having submitted nothing and holding no stream slot.
         A caller refused too often is refused here before its body is read (``refusals``)."""
         arrival, owner = time.perf_counter(), self._owner(request)
-        return await self.core.past_the_door(owner, peer,
-                                             lambda: self._checked_submit(request, parse, peer, arrival, owner))
+        return await self.core.past_the_door(owner, lambda: self._checked_submit(request, parse, peer, arrival, owner))
 
     async def _checked_submit(self, request: Request, parse, peer: str, arrival: float, owner: str):
         core = self.core

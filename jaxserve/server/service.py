@@ -185,10 +185,10 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         submitted then). handoff: the engine's KV handoff arguments (export_kv / kv_import). A
         caller refused too often is refused first, before any check (``refusals``)."""
         arrival, owner = time.perf_counter(), self.core.identity(context.invocation_metadata()) or ""
-        return await self.core.past_the_door(owner, context.peer() or "",
-                                             lambda: self._checked_submit(req, context, handoff, arrival))
+        return await self.core.past_the_door(owner, lambda: self._checked_submit(req, context, handoff, arrival, owner))
 
-    async def _checked_submit(self, req: pb.GenerateRequest, context, handoff: dict | None, arrival: float):
+    async def _checked_submit(self, req: pb.GenerateRequest, context, handoff: dict | None, arrival: float,
+                              owner: str):
         core = self.core
         headers = {k: v for k, v in (context.invocation_metadata() or ())}
         # Ids are echoed in response headers: checked first, so a bad one never runs.
@@ -216,7 +216,6 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         if session:
             md.append((SESSION_HEADER, session))
         await context.send_initial_metadata(tuple(md))
-        owner = core.identity(context.invocation_metadata()) or ""
         if handoff and len(params) > 1:
             raise errors.invalid_argument("n > 1 cannot be combined with a KV handoff")
         if handoff and params[0].logprobs is not None:  # an offer carries the first token, not its log-prob
