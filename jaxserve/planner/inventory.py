@@ -203,17 +203,25 @@ class KVLayout:
         return round(self.values * frac), round(self.vectors * frac)
 
 
-def kv_layout(config: dict) -> KVLayout:
+def kv_layout(config: dict, include_mtp: bool = False) -> KVLayout:
     """MLA: latent (kv_lora_rank) + rope key per layer, plus the DSA indexer key on layers
-    that run an indexer; GQA: K and V, kv_heads x head_dim each, per layer."""
+    that run an indexer; GQA: K and V, kv_heads x head_dim each, per layer.
+
+    include_mtp (MLA families, as ``--speculative mtp`` allocates them): each MTP layer adds its
+    own latent + rope key (+ an indexer key on GLM-5, whose MTP layer is a full DSA layer) and
+    the ``hidden`` slot, the main model's final hidden state of every cached token (one more
+    vector of hidden_size values). jaxserve has no MTP block for the GQA family, so there the
+    MTP layers hold no KV."""
     arch, c = resolve_architecture(config)
     n = c["num_hidden_layers"]
     if arch == "Glm4MoeForCausalLM":
         kvh = c["num_key_value_heads"]
         hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         return KVLayout("gqa", n * 2 * kvh * hd, n * 2 * kvh, kvh)
-    values, vectors = n * (c["kv_lora_rank"] + c["qk_rope_head_dim"]), 2 * n
+    mtp = int(c.get("num_nextn_predict_layers") or 0) if include_mtp else 0
+    values, vectors = (n + mtp) * (c["kv_lora_rank"] + c["qk_rope_head_dim"]), 2 * (n + mtp)
+    values, vectors = values + mtp * c["hidden_size"], vectors + mtp
     if arch == "GlmMoeDsaForCausalLM":
-        ni = _indexer_layers(c, 0)
+        ni = _indexer_layers(c, mtp)
         values, vectors = values + ni * c["index_head_dim"], vectors + ni
     return KVLayout("mla", values, vectors)

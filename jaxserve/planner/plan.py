@@ -215,7 +215,8 @@ def _assumptions(dev, arch: str, c: dict, layout, tp: int, ep: int, usable_fract
                         "never quantized"),
         "int4": "symmetric, one bf16 scale per group of input weights (compressed-tensors pack-quantized)",
         "fp8": "e4m3, float32 scales per output channel or per 128x128 block",
-        "mtp": ("MTP layers counted (embeddings/head shared)" if include_mtp else
+        "mtp": ("MTP layers counted (embeddings/head shared; on MLA families their KV too: latent, rope, "
+                "indexer key on GLM-5, and the hidden state --speculative mtp caches)" if include_mtp else
                 f"MTP layers not counted ({c.get('num_nextn_predict_layers') or 0} in config)"),
         "units": "bytes; GB = 1e9 bytes",
     }
@@ -247,7 +248,7 @@ def plan(config: dict, *, devices: int = 8, device: str | DeviceSpec = "h200",
                     embed=embed_format)
     params, by_group, weights_dev = _weight_bytes(model_tensors(config, include_mtp), fmts, c, tp, ep)
 
-    layout = kv_layout(config)
+    layout = kv_layout(config, include_mtp)
     kv_tok = kv_bytes(layout.values, layout.vectors, kv_format, kv_scale_bytes)
     kv_tok_dev = kv_bytes(*layout.per_device(tp), kv_format, kv_scale_bytes)
     usable = int(dev.memory_bytes * usable_fraction) - reserve_bytes

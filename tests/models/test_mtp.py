@@ -105,3 +105,23 @@ def test_mtp_block_matches_the_reference(checkpoint, reference):
     print(f"max |draft logit error| vs the reference: {max(errs):.2e}")
     assert max(errs) < 1e-3
 
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+def test_planner_counts_the_mtp_kv_the_engine_allocates(checkpoint, fmt):
+    """``jaxserve plan --include-mtp`` sizes KV tokens from the config; the engine from the pools
+    the model with its MTP block allocates (its layer's latent + rope (+ indexer key on GLM-5)
+    and the cached hidden states): they must count the same bytes per token."""
+    import json
+    import pathlib
+
+    from jaxserve.kv.memory import format_token_bytes, model_token_layout
+    from jaxserve.planner import kv_layout
+
+    raw = json.loads((pathlib.Path(checkpoint) / "config.json").read_text())
+    f = get_kv_format(fmt)
+    _, model = load_model(checkpoint, mtp=True)
+    with_mtp, without = kv_layout(raw, include_mtp=True), kv_layout(raw)
+    assert format_token_bytes(f, *model_token_layout(model, f)) == format_token_bytes(f, with_mtp.values,
+                                                                                       with_mtp.vectors)
+    assert with_mtp.values > without.values and with_mtp.vectors > without.vectors
