@@ -10,6 +10,10 @@ With ``roles`` first, the group is a prefill worker and then a decode worker (``
 process 0 warms the decode worker's KV handoff programs, exports the prompt's pages from the
 prefill worker, imports them into the decode worker and decodes greedily (every call mirrored
 to process 1), and writes the tokens, the payload and both handoff fingerprints.
+
+With ``speculative`` first, the group decodes greedily with ``--speculative ngram`` and then
+``mtp`` on the tiny MTP checkpoint (every verify and draft call, and the rollbacks' generation
+updates, mirrored), and writes the tokens and the drafted / accepted counts.
 """
 from __future__ import annotations
 
@@ -134,7 +138,46 @@ def roles(model: str, coordinator: str, step_port: str, process_id: str, out: st
     return 0
 
 
+SPEC_CHECKPOINT = "checkpoints/tiny-kimi-k2"  # an MTP layer; 16 experts over the 8 devices
+SPEC_PROMPT = PROMPT[:8] * 2  # the repeat gives n-gram lookup its matches
+SPEC_TOKENS = 12
+
+
+def speculative(model: str, coordinator: str, step_port: str, process_id: str, out: str) -> int:
+    import numpy as np
+
+    from jaxserve.multihost.channel import StepFollower, StepLeader
+    from jaxserve.multihost.follower import follow
+    from jaxserve.multihost.launch import group_config, initialize
+
+    group = group_config(coordinator, 2, int(process_id), step_port=int(step_port), peer_timeout_s=20)
+    initialize(group, init_timeout_s=60)
+    from jaxserve import LLM
+
+    channel, results = None, {}
+    for method in ("ngram", "mtp"):
+        llm = LLM(model, kv_format="bf16", num_devices=8, speculative=method, num_speculative_tokens=2,
+                  speculative_min_acceptance=0.0, **ENGINE)
+        if group.is_leader:
+            channel = channel or StepLeader(group, "127.0.0.1", accept_timeout_s=60)
+            llm.runner.set_mirror(channel.send)
+            got = llm.generate([SPEC_PROMPT], max_tokens=SPEC_TOKENS, ignore_eos=True)[0]
+            channel.send("stop")
+            spec = llm.engine.spec
+            results[method] = np.array(list(got))
+            results[f"{method}_counts"] = np.array([spec.drafted, spec.accepted, spec.verify_steps])
+        else:
+            channel = channel or StepFollower(group, connect_timeout_s=60)
+            follow(llm.runner, channel)
+    if group.is_leader:
+        np.savez(out, **results)
+    channel.close()
+    return 0
+
+
+MODES = {"roles": roles, "speculative": speculative}
+
 if __name__ == "__main__":
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"  # before jax is imported
     os.environ["JAX_PLATFORMS"] = "cpu"
-    sys.exit(roles(*sys.argv[2:]) if sys.argv[1] == "roles" else main(*sys.argv[1:]))
+    sys.exit(MODES[sys.argv[1]](*sys.argv[2:]) if sys.argv[1] in MODES else main(*sys.argv[1:]))

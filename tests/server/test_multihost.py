@@ -131,6 +131,24 @@ def test_python_api_prompt_logprobs_and_own_rows(moe, single, tmp_path):
         np.testing.assert_allclose(got[fmt], single[fmt]["prompt_logprobs"], rtol=0, atol=ATOL)
 
 
+def test_speculative_decoding_over_two_processes(tmp_path):
+    """n-gram and MTP speculation on a replica of 2 processes x 4 devices: every verify and
+    draft call, and the generation updates of the rollbacks, mirrored to process 1; the greedy
+    tokens are a 1-process engine's without speculation."""
+    from jaxserve import LLM
+
+    out = tmp_path / "spec.npz"
+    run_worker_group(tmp_path, ["speculative"], worker.SPEC_CHECKPOINT, out, timeout_s=300)
+    got = np.load(out)
+    want = list(LLM(worker.SPEC_CHECKPOINT, kv_format="bf16", num_devices=8, **worker.ENGINE).generate(
+        [worker.SPEC_PROMPT], max_tokens=worker.SPEC_TOKENS, ignore_eos=True)[0])
+    for method in ("ngram", "mtp"):
+        drafted, accepted, verify_steps = got[f"{method}_counts"].tolist()
+        print(f"{method}: {drafted} drafted, {accepted} accepted in {verify_steps} verify calls")
+        assert got[method].tolist() == want, method
+        assert drafted > 0 and verify_steps > 0, method
+
+
 def test_prefill_and_decode_workers_over_two_processes(moe, tmp_path):
     """A prefill worker and a decode worker, each over 2 processes x 4 devices: the pages the
     prefill worker exports, imported by the decode worker (its handoff programs warmed first,
