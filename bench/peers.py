@@ -19,6 +19,8 @@ Engines (--engines; one whose package is missing is skipped with the pip command
                         GGUF requantized once with llama_model_quantize (the Q4_1 values, re-stored).
   ct2-int8, ct2-float32 CTranslate2, converted once from the HF directory jaxserve writes.
   transformers-float32  transformers generate on torch CPU, one left-padded batch (also -bfloat16).
+  vllm-bfloat16         vLLM's CPU build (oneDNN), in its own venv (--vllm-python; set it up with
+                        `bash bench/setup_vllm_cpu.sh`), through bench/peer_vllm.py; also -float32.
 Nothing is downloaded; converted copies are cached in ~/.cache/jaxserve/peers. Not run in CI.
 
     .venv/bin/python bench/peers.py --concurrency 1,32,64 --output-len 64 --reps 3 --json bench/results/peers.json
@@ -42,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_ENGINES = "jaxserve,llama.cpp-q4_1,llama.cpp-q8_0,ct2-int8,ct2-float32,transformers-float32"
+DEFAULT_ENGINES = "jaxserve,llama.cpp-q4_1,llama.cpp-q8_0,ct2-int8,ct2-float32,transformers-float32,vllm-bfloat16"
 
 
 def peers_cache() -> Path:
@@ -229,11 +231,50 @@ class Transformers:
         return dt, stamps[1] - t if len(stamps) > 1 else None, out[:, width:].tolist()
 
 
+class Vllm:
+    """vLLM's CPU build, run by bench/peer_vllm.py under its own venv's python (a child process)."""
+
+    def __init__(self, model_dir: str, dtype: str, max_batch: int, max_len: int):
+        import subprocess
+
+        script = Path(__file__).with_name("peer_vllm.py")
+        self.proc = subprocess.Popen([vllm_python(), str(script), model_dir, dtype, str(max_batch), str(max_len)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.answer()  # {"ready": seconds}
+
+    def answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"vLLM's process ended (exit code {self.proc.wait()}); its log is above")
+        msg = json.loads(line)
+        if "error" in msg:
+            raise RuntimeError(msg["error"])
+        return msg
+
+    def run(self, prompts, n):
+        self.proc.stdin.write(json.dumps({"prompts": [list(map(int, p)) for p in prompts], "n": n}) + "\n")
+        self.proc.stdin.flush()
+        msg = self.answer()
+        return msg["dt"], msg["first"], msg["outputs"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()  # EOF: peer_vllm.py returns and vLLM shuts down
+        self.proc.wait(timeout=120)
+
+
+VLLM_PYTHON_ENV = "JAXSERVE_VLLM_PYTHON"
+
+
+def vllm_python() -> str:
+    return os.environ.get(VLLM_PYTHON_ENV) or str(peers_cache() / "vllm-venv" / "bin" / "python")
+
+
 FAMILIES = {  # engine family -> (class, default variant, module it needs, how to install that)
     "jaxserve": (JaxServe, "float32", "jax", "scripts/setup.sh"),
     "llama.cpp": (LlamaCpp, "q4_1", "llama_cpp", "pip install llama-cpp-python: a source build, see README"),
     "ct2": (CTranslate2, "int8", "ctranslate2", "pip install ctranslate2"),
     "transformers": (Transformers, "float32", "transformers", "pip install torch transformers"),
+    "vllm": (Vllm, "bfloat16", None, "bash bench/setup_vllm_cpu.sh (its own venv), or --vllm-python"),
 }
 
 
@@ -245,6 +286,8 @@ def worker(conn, family: str, variant: str, model_dir: str, max_batch: int, max_
         conn.send(("ready", time.perf_counter() - t))
         while (msg := conn.recv()) is not None:
             conn.send(("ok", engine.run(*msg)))
+        if hasattr(engine, "close"):
+            engine.close()
     except Exception:
         conn.send(("error", traceback.format_exc()))
 
@@ -263,9 +306,11 @@ def chosen_engines(args) -> list[tuple[str, str, str]]:
     for name in filter(None, args.engines.split(",")):
         family = "llama.cpp" if name.startswith("llama.cpp") else name.split("-")[0]
         if family not in FAMILIES:
-            raise SystemExit(f"unknown engine {name!r}: try {DEFAULT_ENGINES},llama.cpp-bf16,transformers-bfloat16")
+            raise SystemExit(f"unknown engine {name!r}: try {DEFAULT_ENGINES},llama.cpp-bf16,transformers-bfloat16,vllm-float32")
         _, default, module, hint = FAMILIES[family]
-        if importlib.util.find_spec(module) is None:
+        if module is None and not Path(vllm_python()).exists():
+            print(f"skipping {name}: no {vllm_python()} ({hint})", flush=True)
+        elif module is not None and importlib.util.find_spec(module) is None:
             print(f"skipping {name}: {module} is not installed ({hint})", flush=True)
         elif family == "jaxserve":
             chosen += [(f"jaxserve[{c}]", family, c) for c in args.jaxserve_config or [default]]
@@ -286,6 +331,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="HF-format Llama dir (default: the embedded SmolLM2); "
                     "llama.cpp always runs the wheel's GGUF")
+    ap.add_argument("--vllm-python", default=None, help="the python of vLLM's venv (default: "
+                    "~/.cache/jaxserve/peers/vllm-venv/bin/python, what bench/setup_vllm_cpu.sh makes)")
     ap.add_argument("--json", default=None, metavar="OUT")
     return ap.parse_args(argv)
 
@@ -293,6 +340,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # inherited by the workers: no hub
+    if args.vllm_python:
+        os.environ[VLLM_PYTHON_ENV] = args.vllm_python
     from jaxserve.bench.measure import machine_info, median, write_json
     from jaxserve.bench.workload import make_workload
     from jaxserve.checkpoint.gguf import default_model_dir
