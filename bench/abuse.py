@@ -283,6 +283,37 @@ async def pages_used(target: str) -> int | None:
         return None
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all its threads (/proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine spent busy so far (every core; /proc/stat)."""
+    vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(vals) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+
+
+class CpuShare:
+    """Cores used while a phase measures: by the server, by this bench (its good client and its
+    abusers, which on this machine share the server's cores), and by everything else."""
+
+    def __init__(self, server_pid: int):
+        self.pid = server_pid
+        self.start = self.sample()
+
+    def sample(self):
+        return time.monotonic(), cpu_seconds(self.pid), cpu_seconds(os.getpid()), machine_busy_seconds()
+
+    def cores(self) -> dict:
+        (t0, s0, b0, m0), (t1, s1, b1, m1) = self.start, self.sample()
+        dt = t1 - t0
+        server, bench, machine = (s1 - s0) / dt, (b1 - b0) / dt, (m1 - m0) / dt
+        return {"server": round(server, 2), "bench_clients": round(bench, 2),
+                "other": round(max(0.0, machine - server - bench), 2)}
+
+
 async def run_phase(kind: str, args, target, http, rng) -> Phase:
     phase, stop = Phase(kind), asyncio.Event()
     tasks = [asyncio.ensure_future(good_client(target, phase, stop, random.Random(rng.random())))]
@@ -290,8 +321,10 @@ async def run_phase(kind: str, args, target, http, rng) -> Phase:
         tasks += [asyncio.ensure_future(c) for c in abusers(kind, args, target, http, phase, stop, rng)]
     await asyncio.sleep(args.ramp_s)
     phase.measuring = True
+    share = CpuShare(args.server_pid)
     await asyncio.sleep(args.phase_s)
     phase.measuring = False
+    phase.cores = share.cores()
     stop.set()
     t = time.monotonic()
     done, pending = await asyncio.wait(tasks, timeout=10)
@@ -323,7 +356,7 @@ async def run(args, target, http) -> list[Phase]:
         phases[-1].name = kind
         p = phases[-1]
         print(f"  {kind:<11} good {pct(p.latency)} failed {dict(p.good_failed)} pages after "
-              f"{p.pages_held_after} ({p.settle_s}s)", flush=True)
+              f"{p.pages_held_after} ({p.settle_s}s), cores used {p.cores}", flush=True)
     return phases
 
 
@@ -333,6 +366,7 @@ def main(argv=None) -> int:
     model = None if args.model == "default" else (args.model or tiny_model())
     t0 = time.monotonic()
     proc, target, http = start_server(args, model)
+    args.server_pid = proc.pid
     start_s = time.monotonic() - t0
     try:
         phases = asyncio.run(run(args, target, http))
@@ -353,7 +387,7 @@ def main(argv=None) -> int:
         server = {f"server_{w}_p50_ms": round(float(np.percentile(xs, 50)) * 1e3, 1) if xs else None
                   for w, xs in (("ttft", p.server_ttft), ("total", p.server_total))}
         rows[p.name] = dict(good=lat, **ratio, **server, good_failed=dict(p.good_failed), pages_held_after=p.pages_held_after,
-                            settle_s=p.settle_s, abuser_outcomes=dict(sorted(p.outcomes.items())))
+                            settle_s=p.settle_s, cores_used=p.cores, abuser_outcomes=dict(sorted(p.outcomes.items())))
     report = dict(server_root=args.server_root, model=args.model or "tiny (random 2-layer Llama, SmolLM2 tokenizer)",
                   serve_args=args.serve_arg, phase_s=args.phase_s, server_start_s=round(start_s, 1),
                   server_alive_at_end=alive, load_avg=os.getloadavg(), cpus=os.cpu_count(),

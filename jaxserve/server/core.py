@@ -107,7 +107,13 @@ class ServingCore:
                                        client=client)
 
     def finish(self, stream: RequestStream | None, api: str, outcome: str) -> bool:
-        """Once per call, however it ended: abort what still runs, count the outcome. -> True."""
+        """Once per call, however it ended: abort what still runs, count the outcome. -> True.
+        A stream its client dropped before its end (``cancelled``) counts against the client's
+        refusal bucket like a refusal: starting requests and walking away is work thrown away,
+        and a client that does it in a loop meets the door (with API keys, as refusals do)."""
+        if (outcome == "cancelled" and stream is not None and self.keys.enabled
+                and not all(s.done for s in (stream, *stream.choices))):
+            self.refusals.refused(stream.owner)
         return self.generations.finish(stream, api, outcome)
 
     async def watch_unread(self) -> None:

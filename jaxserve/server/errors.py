@@ -120,6 +120,7 @@ def refused_at_door(retry_after_s: float) -> ServeError:
     return DoorClosed(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         f"too many of this client's requests were refused (invalid, too large or over its queue bound) "
+        f"or dropped before their end "
         f"(--client-refusal-rate); retry after {retry_after_s:.2f}s",
         retry_after_s=retry_after_s, http_status=429, client_fault=False,
     )

@@ -4,7 +4,9 @@ Every bound at the edge (body size, JSON depth, message count, the per-client qu
 bad request cheaply, but not for free: a 10,000-message chat is received and parsed before its
 count is known, and a client can send them in a loop. Each refusal a client causes (its fault:
 invalid, too large, not found, over its own queue bound) takes a token from that client's
-bucket, which refills at ``rate`` tokens a second up to ``burst``. With the bucket empty the
+bucket, which refills at ``rate`` tokens a second up to ``burst``; so does each stream the
+client drops before its end (``ServingCore.finish``: work started and thrown away, which a
+client starting and abandoning streams in a loop makes the engine do for nothing). With the bucket empty the
 client's next requests are refused at the door, before their HTTP body is read (gRPC: before any
 check of the message), with RESOURCE_EXHAUSTED / HTTP 429 and the time until a token is back; refusals at
 the door take nothing more. A client that is never refused never meets the bound, and one that

@@ -17,7 +17,7 @@ from jaxserve.server.refusals import RefusalBudget
 
 from .conftest import LIMITS, MAX_WAITING, MOCK_ENGINE, MODEL_NAME, http_call, on_the_mock_server
 
-BAD, GOOD = "bad-client-key", "good-client-key"
+BAD, GOOD, DROPPER = "bad-client-key", "good-client-key", "dropping-client-key"
 RATE = 2.0  # refusals a second; burst 4
 
 served, cases = on_the_mock_server()
@@ -78,7 +78,7 @@ def keyed():
 
     limits = ServeLimits(**{**LIMITS, "client_refusal_rate": RATE})
     st = ServerThread(MockLLM(**MOCK_ENGINE), max_waiting=MAX_WAITING, limits=limits, http_port=0,
-                      served_model_name=MODEL_NAME, keys=ApiKeys([BAD, GOOD])).start()
+                      served_model_name=MODEL_NAME, keys=ApiKeys([BAD, GOOD, DROPPER])).start()
     st.wait_ready()
     yield st
     st.stop()
@@ -115,6 +115,41 @@ def test_a_client_refused_too_often_is_refused_at_the_door_alone(keyed):
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     time.sleep(1.5 / RATE)
     assert _post(keyed, BAD, good_body)[0] == 200  # served again once a token is back
+
+
+def _streams(st, key, n: int, drop: bool) -> int:
+    """Up to n GenerateStream calls of ``key``'s, each read to its end or dropped after its first
+    event (then the server is waited for until it has ended it) -> how many ran before one was
+    refused at the door."""
+    from jaxserve.client import Client
+
+    with Client(st.target, timeout=30, api_key=key) as c:
+        for i in range(n):
+            call = c.generate_stream([5, 6, 7], max_tokens=200 if drop else 3, ignore_eos=True)
+            try:
+                if drop:
+                    next(call)
+                    call.cancel()
+                else:
+                    assert list(call)[-1].WhichOneof("event") == "end"
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "dropped" in e.details()
+                return i
+            deadline = time.monotonic() + 10
+            while st.server.core.active and time.monotonic() < deadline:
+                time.sleep(0.01)
+    return n
+
+
+def test_a_client_that_keeps_dropping_its_streams_meets_the_door(keyed):
+    """Starting streams and walking away is refused work too: each stream its client cancels
+    before its end takes a token (burst 4 at 2 a second); streams read to their end take none,
+    and the other clients are served meanwhile."""
+    assert _streams(keyed, GOOD, 10, drop=False) == 10
+    assert _streams(keyed, DROPPER, 10, drop=True) in (4, 5)
+    assert _post(keyed, GOOD, {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2})[0] == 200
+    time.sleep(1.5 / RATE)
+    assert _streams(keyed, DROPPER, 1, drop=False) == 1  # served again once a token is back
 
 
 def test_without_keys_there_is_no_bound(served):
