@@ -63,7 +63,8 @@ class KvHandoff:
         ident = dict(weights=self.runner.source_digest, architecture=self.architecture,
                      dtype=np.dtype(self.runner.dtype).name,
                      prefill_weights=c.prefill_weights, decode_weights=c.decode_weights,
-                     quantize_tied_head=c.quantize_tied_head, prefill_from_decode_weights=c.prefill_from_decode_weights)
+                     quantize_tied_head=c.quantize_tied_head, prefill_from_decode_weights=c.prefill_from_decode_weights,
+                     **({"tied_head_weights": c.tied_head_weights} if c.tied_head_weights else {}))
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
     # ------------------------------------------------------------------ requests

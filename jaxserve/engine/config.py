@@ -57,6 +57,10 @@ class EngineConfig:
                                  choices=("auto", "cpu", "gpu", "interpret"))
     quantize_tied_head: bool = _field(False, "store a tied embedding's head in each phase's format too (fewer "
                                              "bytes per step, more error in the logits)")
+    tied_head_weights: str | None = _field(
+        None, "a tied embedding's head (and its lookup table) stored once in this format for every phase: bf16 | "
+              "int8 | fp8_e4m3 | int4:g32|g64|g128 (default: as loaded, or each phase's format with "
+              "--quantize-tied-head)", type=str)
     prefill_from_decode_weights: bool = _field(False, "prefill reads the decode copy (e.g. int4): one resident "
                                                       "weight copy instead of two")
     kv_cache_memory: int | str | None = _field(None, "KV pool size in bytes (48GiB, 512MiB, ...): decides the page "
@@ -129,6 +133,11 @@ class EngineConfig:
         ):
             if spec is not None and get_weight_format(spec).name not in allowed:
                 raise ValueError(f"{phase}_weights={spec!r} is not a {phase} format; choose one of {allowed}")
+        if self.tied_head_weights is not None:
+            if self.quantize_tied_head:
+                raise ValueError("tied_head_weights stores the head in one format; quantize_tied_head in each "
+                                 "phase's: set one of them")
+            get_weight_format(self.tied_head_weights)  # a clear error for an unknown format
         if self.kv_cache_memory is not None:
             kv_memory.parse_size(self.kv_cache_memory)  # a clear error for a bad size
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:

@@ -26,7 +26,8 @@ def make_runner(model, config, fmt, mesh, max_model_len: int) -> tuple[ModelRunn
         max_pages_per_seq=-(-max_model_len // config.page_size),
         prefill_weights=config.prefill_weights, decode_weights=config.decode_weights,
         attention_backend=config.attention_backend or default_backend(),
-        matmul_backend=config.matmul_backend, quantize_tied_head=config.quantize_tied_head,
+        matmul_backend=config.matmul_backend,
+        quantize_tied_head=config.tied_head_weights or config.quantize_tied_head,
         prefill_from_decode_weights=config.prefill_from_decode_weights, strict=config.strict_compiles,
         batch_invariant=config.batch_invariant, role=config.role,
     )

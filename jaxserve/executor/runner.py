@@ -63,10 +63,12 @@ class ModelRunner:
     def __init__(self, model, fmt: KVFormat, num_pages: int, page_size: int, mesh: Mesh | None = None,
                  tracker: PageTracker | NoOpTracker | None = None, max_pages_per_seq: int | None = None,
                  prefill_weights: str | None = None, decode_weights: str | None = None,
-                 attention_backend: str = "xla", matmul_backend: str = "auto", quantize_tied_head: bool = False,
+                 attention_backend: str = "xla", matmul_backend: str = "auto", quantize_tied_head: bool | str = False,
                  prefill_from_decode_weights: bool = False, strict: bool = False, batch_invariant: bool = False,
                  role: str = "both"):
-        """role: "both"; "prefill" (only the prefill weights are built: no decode program);
+        """quantize_tied_head: True stores a tied head in each phase's format; a format spec, once
+        in that format for both phases (``quant.phase.quantize_state``).
+        role: "both"; "prefill" (only the prefill weights are built: no decode program);
         "decode" (prefill reads the decode copy: one resident copy). A prefill or decode role
         also hashes the weights as loaded (``source_digest``), for the handoff fingerprint."""
         role = WorkerRole(role).name  # ValueError for an unknown role

@@ -12,7 +12,7 @@ from jaxserve.quant.report import WeightPath, describe_phase, weight_paths
 class PhaseWeights:
     """state: the loaded model's NNX state; role "prefill" builds the prefill weights alone."""
 
-    def __init__(self, state, prefill_weights, decode_weights, mesh, quantize_tied_head: bool,
+    def __init__(self, state, prefill_weights, decode_weights, mesh, quantize_tied_head: bool | str,
                  prefill_from_decode_weights: bool, role: str, matmul_backend: str):
         self.matmul_backend = matmul_backend
         self.formats, states = phase_states(state, prefill_weights, decode_weights, mesh, quantize_tied_head,

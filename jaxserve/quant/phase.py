@@ -151,10 +151,13 @@ def phase_value(path: str, value, axes, fmt, mesh=None, tied_head: bool = False)
     return phase_weight(path, place(qw, maxes, mesh, path), shape)
 
 
-def quantize_state(state, spec: str | None, mesh=None, tied_head: bool = False):
+def quantize_state(state, spec: str | None, mesh=None, tied_head: bool | str = False, shared: dict | None = None):
     """Copy of `state` with every matmul weight stored in format `spec`.
 
-    With ``tied_head``, a tied model's embedding table is stored as its head [D, V] in the
+    With ``tied_head`` a format spec (e.g. "bf16"), a tied model's embedding table is stored
+    as its head [D, V] in that format whatever ``spec`` is, once: ``shared`` (a dict the
+    caller passes to each phase's call) keeps the stored head, so phases share one copy.
+    With ``tied_head`` True, a tied model's embedding table is stored as its head [D, V] in the
     phase format too (the head is the largest matrix of a small model: 21% of SmolLM2-135M's
     bytes); off by default, since the head's error goes straight into the logits (measured on
     SmolLM2, decode dPPL: int4:g32 +5.6 -> +10.6, fp8 +0.55 -> +1.24 with the head quantized).
@@ -170,39 +173,49 @@ def quantize_state(state, spec: str | None, mesh=None, tied_head: bool = False):
     (``jaxserve convert`` re-converting one requantizes its largest member instead).
     """
     fmt = get_weight_format(spec) if spec is not None else None
+    head_fmt = get_weight_format(tied_head) if isinstance(tied_head, str) else None
     label = fmt.name if fmt is not None else None
     flat = nnx.to_flat_state(state)
-    if fmt is None and not any(isinstance(v.get_value(), PhaseSet) for _, v in flat):
+    if fmt is None and head_fmt is None and not any(isinstance(v.get_value(), PhaseSet) for _, v in flat):
         return state  # as loaded: nothing to do
     out = []
-    tied = tied_head and has_tied_head("/".join(str(k) for k in p) for p, _ in flat)
+    shared = {} if shared is None else shared
+    tied = bool(tied_head) and has_tied_head("/".join(str(k) for k in p) for p, _ in flat)
     for p, var in flat:
         path = "/".join(str(k) for k in p)
         value = var.get_value()
         if isinstance(value, PhaseSet):
             value = value.pick(label)
-        new = phase_value(path, value, var.get_metadata().get("logical_axes"), fmt, mesh, tied)
+        axes = var.get_metadata().get("logical_axes")
+        if tied and head_fmt is not None and path == TIED_EMBED:  # one stored head for every phase
+            if path not in shared:
+                shared[path] = phase_value(path, value, axes, head_fmt, mesh, True)
+            new = shared[path]
+        else:
+            new = phase_value(path, value, axes, fmt, mesh, tied and head_fmt is None)
         out.append((p, var if new is var.get_value() else var.replace(new)))
     return nnx.from_flat_state(out)
 
 
-def phase_states(state, prefill: str | None, decode: str | None, mesh=None, tied_head: bool = False,
+def phase_states(state, prefill: str | None, decode: str | None, mesh=None, tied_head: bool | str = False,
                  prefill_from_decode: bool = False, only: str | None = None):
     """-> ({phase: format spec}, {phase: state}) for the prefill and decode programs.
 
     One copy whenever one suffices: both phases in one format share one state (the same
     object), and with ``prefill_from_decode`` prefill reads the decode copy (an int4 prefill
     then runs on the int4 path: slower than fp8/bf16, half the resident weights).
-    ``only="prefill"`` builds the prefill copy alone (a prefill worker: no decode entry)."""
+    ``only="prefill"`` builds the prefill copy alone (a prefill worker: no decode entry).
+    ``tied_head``: see ``quantize_state`` (a format spec: one head copy both phases read)."""
     if only == "prefill":
         return {"prefill": prefill}, {"prefill": quantize_state(state, prefill, mesh, tied_head)}
+    shared: dict = {}
     if prefill_from_decode:
         if prefill is not None:
             raise ValueError("prefill_from_decode_weights reads the decode copy: leave prefill_weights unset")
         prefill = decode
     canon = [spec and get_weight_format(spec).name for spec in (prefill, decode)]
-    dec = quantize_state(state, decode, mesh, tied_head)
-    pre = dec if canon[0] == canon[1] else quantize_state(state, prefill, mesh, tied_head)
+    dec = quantize_state(state, decode, mesh, tied_head, shared)
+    pre = dec if canon[0] == canon[1] else quantize_state(state, prefill, mesh, tied_head, shared)
     return {"prefill": prefill, "decode": decode}, {"prefill": pre, "decode": dec}
 
 

@@ -13,6 +13,7 @@ expert matmul still runs every expert on its own rows.
 """
 import numpy as np
 import pytest
+import jax.numpy as jnp
 import torch
 
 from hf_models import build_deepseek_v3, build_glm4_moe, build_llama
@@ -128,3 +129,25 @@ def test_tied_head_is_quantized_only_when_asked(tmp_path):
         table = 256 * 64  # vocab x hidden of the tiny llama
         assert any(x.dtype == np.int8 and x.size == table for x in leaves) == flag
     assert sizes[True] < sizes[False]
+
+
+def test_tied_head_in_its_own_format_one_copy_for_both_phases(tmp_path):
+    """tied_head_weights="bf16": the table is stored once as a bf16 head whatever the phases'
+    formats (int8 decode, prefill as loaded: two copies of every other matrix), both programs
+    read that one array, and the decode logits match a dense float32 model of the same
+    dequantized weights within the int8 path's bound."""
+    FAMILIES["llama-tied"](tmp_path)
+    llm = LLM(str(tmp_path), decode_weights="int8",
+              **{**KW, "quantize_tied_head": False, "tied_head_weights": "bf16"})
+    table = 256 * 64  # vocab x hidden of the tiny llama
+    heads = {p: [x for x in leaves if x.dtype == jnp.bfloat16 and x.size == table]
+             for p, (leaves, _) in llm.runner.phase_params.items()}
+    assert len(heads["prefill"]) == len(heads["decode"]) == 1 and heads["prefill"][0] is heads["decode"][0]
+    rows = {r.name: r.format for r in llm.runner.weights.path_rows()["decode"]}
+    assert rows["embed"] == "bf16" and rows["layers/0/attn/q"] == "int8", rows
+    ref = reference_for(str(tmp_path), llm, "decode")
+    tokens = PROMPT + list(llm.generate([PROMPT], max_tokens=4, ignore_eos=True)[0])
+    err = np.abs(decode_logprobs(llm, tokens) - decode_logprobs(ref, tokens)).max()
+    assert err < BOUNDS["int8"], err
+    with pytest.raises(ValueError, match="set one of them"):
+        LLM(str(tmp_path), **{**KW, "quantize_tied_head": True, "tied_head_weights": "bf16"})
