@@ -219,8 +219,12 @@ def test_quality_tiny(tiny_llama, tmp_path, monkeypatch):
     assert "KL(ref, fmt)" in md and "identical completions" in md
     # --resume merges another configuration into the same results, reusing the cached reference.
     assert list((tmp_path / "cache" / "experiments").glob("quality-ref-*.npz"))
-    r2 = quality.run(tiny_llama, ["w-int4=float32/none/int4:g32"], resume=True, plots=False, **small)
-    assert set(r2["results"]) == {"float32", "kv-fp8", "w-int4"}
+    r2 = quality.run(tiny_llama, ["w-int4=float32/none/int4:g32", "head-bf16=float32/none/none/bf16"], resume=True,
+                     plots=False, **small)
+    assert set(r2["results"]) == {"float32", "kv-fp8", "w-int4", "head-bf16"}
+    head = r2["results"]["head-bf16"]  # the tied head stored in bf16 (both phases read it): both move, a little
+    assert head["spec"].endswith("/bf16") and head["tied_head"] == "bf16"
+    assert 0 < head["phases"]["prefill"]["kl"]["point"] < 0.05 and 0 < head["phases"]["decode"]["kl"]["point"] < 0.05
     assert r2["results"]["kv-fp8"] == json.loads(json.dumps(res["kv-fp8"]))
     kv, w4 = res["kv-fp8"], r2["results"]["w-int4"]
     # int4 decode weights: the prefill phase (float32 weights and KV) is exactly the reference.

@@ -110,7 +110,8 @@ def _add_quality(sub) -> None:
     from jaxserve.experiments.quality import DEFAULT_CONFIGS as QCONF
 
     q.add_argument("--configs", type=_configs, default=list(QCONF),
-                   help="NAME=KV/PREFILL/DECODE specs, compared with float32=float32/none/none")
+                   help="NAME=KV/PREFILL/DECODE[/HEAD] specs (HEAD: a tied head stored once in that format), compared "
+                        "with float32=float32/none/none")
     q.add_argument("--docs", type=int, default=24, help="pydoc topics (documents)")
     q.add_argument("--prefix", type=int, default=32, help="tokens scored through the prefill program")
     q.add_argument("--cont", type=int, default=32, help="tokens scored through the decode program")

@@ -51,7 +51,8 @@ import numpy as np
 
 from jaxserve.experiments import common
 from jaxserve.experiments.quality_report import markdown, ordered, phase_stats, sample_stats, write
-from jaxserve.experiments.quality_scoring import DEFAULT_CONFIGS, REFERENCE, Scorer, metrics_vs_ref, parse_config
+from jaxserve.experiments.quality_scoring import (DEFAULT_CONFIGS, REFERENCE, Scorer, config_parts, metrics_vs_ref,
+                                                  parse_config)
 
 
 def _cache_dir() -> Path:
@@ -92,7 +93,7 @@ def run(
     if sample_tokens > cont:
         raise ValueError("--sample-tokens must be <= --cont (the pages are sized for P + C tokens)")
     meta = {"command": common.command_line(), "machine": common.machine_info(), "model": common.model_label(model)}
-    parsed = [parse_config(c) for c in configs]
+    parsed = [config_parts(c) for c in configs]
     ref_name, ref_kv, _, _ = parse_config(REFERENCE)
     batch_size = batch or max(min(docs, 32), sample_prompts * seeds)
     if sample_prompts * seeds > batch_size:
@@ -109,8 +110,8 @@ def run(
     previous, commands = _previous(out / f"{name}.json", settings["key"], resume, log)
     meta["commands"] = commands + [meta["command"]]
     results = {**previous, ref_name: run_.reference_entry(ref)}
-    for cname, kv, pre, dec in parsed:
-        res = results[cname] = run_.score_config(cname, kv, pre, dec, ref, meta)
+    for cname, kv, pre, dec, head in parsed:
+        res = results[cname] = run_.score_config(cname, kv, pre, dec, ref, meta, head)
         d = res["phases"]["decode"]
         log(f"[quality] {cname}: decode KL {d['kl']['point']:.2e}, top-1 {d['top1_agreement']['point']:.3f}, "
             f"dPPL {d['delta_ppl']['point']:+.3f}; identical samples {res['sampling']['identical_rate']['point']:.2f} "
@@ -149,14 +150,14 @@ class _Run:
     def n_tokens(self) -> int:
         return self.prefix + self.cont + 1
 
-    def make(self, kv, pre, dec):
+    def make(self, kv, pre, dec, head=None):
         from jaxserve import LLM
 
         pages_per_doc = -(-self.n_tokens // self.page_size)
         return LLM(self.model, dtype="float32", kv_format=kv, num_pages=self.batch * pages_per_doc + 1,
                    page_size=self.page_size, prefill_weights=pre, decode_weights=dec, integrity_check=False,
                    enable_prefix_caching=False, max_model_len=pages_per_doc * self.page_size, max_num_seqs=4,
-                   **self.engine_kw)
+                   **({"tied_head_weights": head} if head else {}), **self.engine_kw)
 
     def pick_documents(self, ref_llm, docs: int, sample_prompts: int) -> dict:
         """Tokenize the corpus; set doc_ids, the prompts and their seeds; return the settings (with their key)."""
@@ -209,9 +210,9 @@ class _Run:
             "sampling_other_seeds": self._sampling(ref["other"], ref["samples"]),
         }
 
-    def score_config(self, cname: str, kv, pre, dec, ref: dict, meta: dict) -> dict:
+    def score_config(self, cname: str, kv, pre, dec, ref: dict, meta: dict, head: str | None = None) -> dict:
         t = time.perf_counter()
-        llm = self.make(kv, pre, dec)
+        llm = self.make(kv, pre, dec, head)
         sc, parts = self.trace_all(llm)
         samples = self.sample(sc)
         del llm, sc
@@ -221,8 +222,8 @@ class _Run:
         del parts
         m = tuple(np.concatenate([x[k] for x in per]) for k in range(4))
         return {
-            "spec": f"{cname}={kv}/{pre or 'none'}/{dec or 'none'}", "kv_format": kv,
-            "prefill_weights": pre or "float32", "decode_weights": dec or "float32",
+            "spec": f"{cname}={kv}/{pre or 'none'}/{dec or 'none'}" + (f"/{head}" if head else ""), "kv_format": kv,
+            "prefill_weights": pre or "float32", "decode_weights": dec or "float32", "tied_head": head or "as loaded",
             "phases": {p: phase_stats(*m, sl, self.n_boot, self.seed) for p, sl in self.phases.items()},
             "kl_by_position": m[2].mean(0).tolist(),
             "sampling": self._sampling(samples, ref["samples"]),

@@ -27,14 +27,20 @@ DEFAULT_CONFIGS = (
 
 
 def parse_config(spec: str) -> tuple[str, str, str | None, str | None]:
-    """'name=kv/prefill/decode' -> (name, kv format, prefill weights | None, decode weights | None)."""
-    if "=" not in spec or spec.split("=", 1)[1].count("/") != 2:
-        raise ValueError(f"quality config {spec!r} must look like NAME=KV/PREFILL/DECODE "
+    """'name=kv/prefill/decode[/head]' -> (name, kv format, prefill weights | None, decode weights | None)."""
+    return config_parts(spec)[:4]
+
+
+def config_parts(spec: str) -> tuple[str, str, str | None, str | None, str | None]:
+    """'name=kv/prefill/decode[/head]' -> (name, kv, prefill | None, decode | None, tied head format | None).
+    The optional fourth part stores a tied model's head once in that format (``tied_head_weights``)."""
+    if "=" not in spec or spec.split("=", 1)[1].count("/") not in (2, 3):
+        raise ValueError(f"quality config {spec!r} must look like NAME=KV/PREFILL/DECODE[/HEAD] "
                          "(e.g. kv-fp8=fp8_e4m3/none/none or article=fp8_e4m3/fp8:block128/int4:g32)")
     name, rest = spec.split("=", 1)
-    kv, pre, dec = rest.split("/")
+    kv, pre, dec, *head = rest.split("/")
     norm = lambda s: None if s.strip().lower() in ("none", "", "as-loaded") else s.strip()  # noqa: E731
-    return name.strip(), kv.strip(), norm(pre), norm(dec)
+    return name.strip(), kv.strip(), norm(pre), norm(dec), norm(head[0]) if head else None
 
 
 class Scorer:
