@@ -74,6 +74,16 @@ def moe(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory):
+    """A tiny Llama with 8 KV heads: its pages split by head over the 8 devices (4 per process)."""
+    from hf_models import build_llama
+
+    path = tmp_path_factory.mktemp("tiny_gqa")
+    build_llama(path, num_hidden_layers=2, seed=6, num_attention_heads=8, num_key_value_heads=8, vocab_size=512)
+    return str(path)
+
+
 def as_entries(completion) -> list[tuple[int, float, dict]]:
     """A Python-API completion -> [(token id, log-prob, {alternative id: log-prob})]."""
     return [(int(t), lp, dict(top)) for t, (lp, top) in zip(completion, completion.logprobs)]
@@ -149,24 +159,27 @@ def test_speculative_decoding_over_two_processes(tmp_path):
         assert drafted > 0 and verify_steps > 0, method
 
 
-def test_prefill_and_decode_workers_over_two_processes(moe, tmp_path):
+@pytest.mark.parametrize("family", ["moe", "gqa"])
+def test_prefill_and_decode_workers_over_two_processes(family, request, tmp_path):
     """A prefill worker and a decode worker, each over 2 processes x 4 devices: the pages the
     prefill worker exports, imported by the decode worker (its handoff programs warmed first,
     every call mirrored), decode to a 1-process engine's greedy tokens; the same payload
     decodes to them on a 1-process decode worker, and the handoff fingerprints equal the
-    1-process workers' (so the router pairs them with 1-process peers)."""
+    1-process workers' (so the router pairs them with 1-process peers). For the MLA MoE (the
+    latent replicated on every device) and for GQA (K/V split by head over both processes)."""
+    ckpt = request.getfixturevalue(family)
     from jaxserve import LLM
     from jaxserve.engine.sampling_params import SamplingParams
     from jaxserve.disagg.handoff_request import KvImport
     from jaxserve.kv.handoff import KvPayload, digest_hex
 
     out = tmp_path / "roles.npz"
-    run_worker_group(tmp_path, ["roles"], moe, out, timeout_s=300)
+    run_worker_group(tmp_path, ["roles"], ckpt, out, timeout_s=300)
     got = np.load(out)
     params = SamplingParams(max_tokens=worker.DECODE_TOKENS, ignore_eos=True)
-    want = list(LLM(moe, kv_format="bf16", num_devices=8, **worker.ROLES_ENGINE).generate([worker.PROMPT], params)[0])
+    want = list(LLM(ckpt, kv_format="bf16", num_devices=8, **worker.ROLES_ENGINE).generate([worker.PROMPT], params)[0])
     assert got["tokens"].tolist() == want and int(got["first"]) == want[0]
-    one = {r: LLM(moe, kv_format="bf16", num_devices=8, role=r, **worker.ROLES_ENGINE).engine
+    one = {r: LLM(ckpt, kv_format="bf16", num_devices=8, role=r, **worker.ROLES_ENGINE).engine
            for r in ("prefill", "decode")}
     assert got["fingerprints"].tolist() == [one["prefill"].handoff_fingerprint()] * 2
     assert one["decode"].handoff_fingerprint() == one["prefill"].handoff_fingerprint()
