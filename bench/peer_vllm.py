@@ -1,7 +1,8 @@
-"""vLLM's CPU build as a bench/peers.py engine: run by that script under vLLM's own venv (its
-torch pins differ from jaxserve's), it loads the model and then answers one JSON line per call.
+"""vLLM's CPU build as a bench/peers.py engine, both sides: ``Vllm`` (imported by bench/peers.py)
+starts this file under vLLM's own venv (its torch pins differ from jaxserve's), which loads the
+model and then answers one JSON line per call.
 
-    VENV/bin/python bench/peer_vllm.py MODEL_DIR DTYPE MAX_BATCH MAX_LEN
+    VENV/bin/python bench/peer_vllm.py MODEL_DIR DTYPE MAX_BATCH MAX_LEN      (what Vllm runs)
     stdin:  {"prompts": [[ids], ...], "n": N}      one line per call; EOF ends it
     stdout: {"dt": s, "first": s | null, "outputs": [[ids], ...]}   (or {"error": text})
 
@@ -15,9 +16,41 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
+
+VLLM_PYTHON_ENV = "JAXSERVE_VLLM_PYTHON"  # the python of vLLM's venv (bench/peers.py sets it)
+
+
+class Vllm:
+    """The bench/peers.py side: this file run by ``$JAXSERVE_VLLM_PYTHON`` as a child process."""
+
+    def __init__(self, model_dir: str, dtype: str, max_batch: int, max_len: int):
+        self.proc = subprocess.Popen([os.environ[VLLM_PYTHON_ENV], __file__, model_dir, dtype, str(max_batch),
+                                      str(max_len)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.answer()  # {"ready": seconds}
+
+    def answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"vLLM's process ended (exit code {self.proc.wait()}); its log is above")
+        msg = json.loads(line)
+        if "error" in msg:
+            raise RuntimeError(msg["error"])
+        return msg
+
+    def run(self, prompts, n):
+        self.proc.stdin.write(json.dumps({"prompts": [list(map(int, p)) for p in prompts], "n": n}) + "\n")
+        self.proc.stdin.flush()
+        msg = self.answer()
+        return msg["dt"], msg["first"], msg["outputs"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()  # EOF: main() below returns and vLLM shuts down
+        self.proc.wait(timeout=120)
 
 
 def main(model_dir: str, dtype: str, max_batch: str, max_len: str) -> int:

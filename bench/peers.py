@@ -43,6 +43,7 @@ import traceback
 from pathlib import Path
 
 import numpy as np
+from peer_vllm import VLLM_PYTHON_ENV, Vllm
 
 DEFAULT_ENGINES = "jaxserve,llama.cpp-q4_1,llama.cpp-q8_0,ct2-int8,ct2-float32,transformers-float32,vllm-bfloat16"
 
@@ -231,44 +232,6 @@ class Transformers:
         return dt, stamps[1] - t if len(stamps) > 1 else None, out[:, width:].tolist()
 
 
-class Vllm:
-    """vLLM's CPU build, run by bench/peer_vllm.py under its own venv's python (a child process)."""
-
-    def __init__(self, model_dir: str, dtype: str, max_batch: int, max_len: int):
-        import subprocess
-
-        script = Path(__file__).with_name("peer_vllm.py")
-        self.proc = subprocess.Popen([vllm_python(), str(script), model_dir, dtype, str(max_batch), str(max_len)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.answer()  # {"ready": seconds}
-
-    def answer(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"vLLM's process ended (exit code {self.proc.wait()}); its log is above")
-        msg = json.loads(line)
-        if "error" in msg:
-            raise RuntimeError(msg["error"])
-        return msg
-
-    def run(self, prompts, n):
-        self.proc.stdin.write(json.dumps({"prompts": [list(map(int, p)) for p in prompts], "n": n}) + "\n")
-        self.proc.stdin.flush()
-        msg = self.answer()
-        return msg["dt"], msg["first"], msg["outputs"]
-
-    def close(self) -> None:
-        self.proc.stdin.close()  # EOF: peer_vllm.py returns and vLLM shuts down
-        self.proc.wait(timeout=120)
-
-
-VLLM_PYTHON_ENV = "JAXSERVE_VLLM_PYTHON"
-
-
-def vllm_python() -> str:
-    return os.environ.get(VLLM_PYTHON_ENV) or str(peers_cache() / "vllm-venv" / "bin" / "python")
-
-
 FAMILIES = {  # engine family -> (class, default variant, module it needs, how to install that)
     "jaxserve": (JaxServe, "float32", "jax", "scripts/setup.sh"),
     "llama.cpp": (LlamaCpp, "q4_1", "llama_cpp", "pip install llama-cpp-python: a source build, see README"),
@@ -308,8 +271,8 @@ def chosen_engines(args) -> list[tuple[str, str, str]]:
         if family not in FAMILIES:
             raise SystemExit(f"unknown engine {name!r}: try {DEFAULT_ENGINES},llama.cpp-bf16,transformers-bfloat16,vllm-float32")
         _, default, module, hint = FAMILIES[family]
-        if module is None and not Path(vllm_python()).exists():
-            print(f"skipping {name}: no {vllm_python()} ({hint})", flush=True)
+        if module is None and not Path(os.environ[VLLM_PYTHON_ENV]).exists():
+            print(f"skipping {name}: no {os.environ[VLLM_PYTHON_ENV]} ({hint})", flush=True)
         elif module is not None and importlib.util.find_spec(module) is None:
             print(f"skipping {name}: {module} is not installed ({hint})", flush=True)
         elif family == "jaxserve":
@@ -340,8 +303,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # inherited by the workers: no hub
-    if args.vllm_python:
-        os.environ[VLLM_PYTHON_ENV] = args.vllm_python
+    os.environ[VLLM_PYTHON_ENV] = args.vllm_python or str(peers_cache() / "vllm-venv" / "bin" / "python")
     from jaxserve.bench.measure import machine_info, median, write_json
     from jaxserve.bench.workload import make_workload
     from jaxserve.checkpoint.gguf import default_model_dir
