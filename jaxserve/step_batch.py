@@ -14,6 +14,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 DATA_FIELDS = ("tokens", "cached_lens", "new_lens", "page_table", "expected", "pages_used")
 STATIC_FIELDS = ("phase", "all_logits")
@@ -37,14 +38,22 @@ class StepBatch:
         """(B, T): the bucket."""
         return tuple(self.tokens.shape)
 
-    def on_device(self) -> "StepBatch":
-        """Every data field as an int32 jax array (what the programs take)."""
-        return dataclasses.replace(self, **{f: jnp.asarray(getattr(self, f), jnp.int32) for f in DATA_FIELDS})
+    def as_inputs(self) -> "StepBatch":
+        """Every data field as int32, host (numpy) fields left on the host: what the programs
+        take. The program call copies them to the device itself, several times cheaper than a
+        ``jnp.asarray`` (one ``device_put``) per field first; the programs are built for
+        uncommitted int32 inputs either way."""
+        return dataclasses.replace(self, **{f: _int32(getattr(self, f)) for f in DATA_FIELDS})
 
     @classmethod
     def zeros(cls, phase: str, batch: int, tokens: int, width: int) -> "StepBatch":
         """An all-padding batch (null page tables: it writes nothing), for warm-up and tests."""
-        import numpy as np
-
         z, zm = np.zeros((batch,), np.int32), np.zeros((batch, width), np.int32)
         return cls(np.zeros((batch, tokens), np.int32), z, z, zm, zm, z, phase=phase)
+
+
+def _int32(x):
+    """A numpy array as int32 numpy (no copy if it is one); a jax array as int32 jax."""
+    if isinstance(x, jax.Array):
+        return x.astype(jnp.int32)
+    return np.asarray(x, np.int32)

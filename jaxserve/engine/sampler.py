@@ -38,6 +38,25 @@ from jaxserve.executor.programs import ProgramSpec
 NUM_CANDIDATES = 256
 
 
+def first_argmax(x):
+    """``jnp.argmax(x, axis=-1)`` as int32 (the first maximum; the first NaN if a row has one),
+    computed as two plain reductions (the maximum, then the smallest index that holds it):
+    XLA:CPU runs them vectorized, where argmax's (value, index) pair reduction is a scalar
+    loop, several times slower over a 49k vocabulary."""
+    m = jnp.max(x, axis=-1, keepdims=True)  # NaN if the row has one (max propagates NaN)
+    hit = (x == m) | jnp.isnan(x)  # with no NaN in the row, isnan adds nothing
+    idx = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(hit, idx, x.shape[-1]), axis=-1)
+
+
+def token_logprob(logits, tokens):
+    """log_softmax(logits)[b, tokens[b]] for logits f32 [B, V], tokens int32 [B], without the
+    [B, V] log-softmax: the same operations as ``jax.nn.log_softmax`` on the picked entries."""
+    shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    lse = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
+    return jnp.take_along_axis(shifted, tokens[:, None], axis=-1)[:, 0] - lse
+
+
 def row_noise(keys, v: int):
     """Gumbel noise [B, V] for row keys [B]: entry [b, t] belongs to token t of row b."""
     return jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
@@ -62,7 +81,7 @@ def _kept_draw(scaled, noise, top_k, top_p, min_p, lse_all, c: int):
     cum = jnp.cumsum(probs, axis=-1)
     keep = in_k & ((cum - probs) < top_p[:, None]) & (probs >= min_p[:, None] * probs[:, :1])
     noisy = jnp.where(keep, vals + jnp.take_along_axis(noise, ids, axis=-1), -jnp.inf)
-    token = jnp.take_along_axis(ids, jnp.argmax(noisy, axis=-1)[:, None], axis=-1)[:, 0]
+    token = jnp.take_along_axis(ids, first_argmax(noisy)[:, None], axis=-1)[:, 0]
     if c == v:
         return token.astype(jnp.int32), jnp.ones(top_k.shape, bool)
     proven = jnp.where(
@@ -102,7 +121,6 @@ def sample_rows(
 
 def _sample_batch(logits, temperature, top_k, top_p, min_p, seeds, steps, mask, counts, seen, repetition, presence,
                   frequency, *, all_greedy: bool, penalties: bool, num_logprobs: int, num_candidates: int):
-    raw_lp = jax.nn.log_softmax(logits, axis=-1)
     x = logits
     if penalties:
         r = repetition[:, None]
@@ -110,7 +128,7 @@ def _sample_batch(logits, temperature, top_k, top_p, min_p, seeds, steps, mask, 
         x = x - presence[:, None] * (counts > 0) - frequency[:, None] * counts
     if mask is not None:  # a grammar's allowed tokens (structured outputs): the others can never be drawn
         x = jnp.where(unpack_mask(mask, x.shape[-1]), x, -jnp.inf)
-    greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    greedy = first_argmax(x)
     if all_greedy:
         tokens = greedy
     else:
@@ -123,7 +141,7 @@ def _sample_batch(logits, temperature, top_k, top_p, min_p, seeds, steps, mask, 
         whole = (top_k <= 0) & (top_p >= 1.0) & (min_p <= 0.0)  # truncates nothing
         noise = row_noise(keys, v)
         fast, proven = _kept_draw(scaled, noise, top_k, top_p, min_p, lse_all, c)
-        untruncated = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)  # plain temperature rows
+        untruncated = first_argmax(scaled + noise)  # plain temperature rows
         # The full sort, only when some row's kept set may reach past the candidates.
         truncated = jax.lax.cond(
             jnp.any(sampling & ~whole & ~proven),
@@ -132,9 +150,9 @@ def _sample_batch(logits, temperature, top_k, top_p, min_p, seeds, steps, mask, 
         )
         sampled = jnp.where(whole, untruncated, truncated)
         tokens = jnp.where(sampling, sampled, greedy)
-    logprob = jnp.take_along_axis(raw_lp, tokens[:, None], axis=-1)[:, 0]
+    logprob = token_logprob(logits, tokens)  # of the raw distribution
     if num_logprobs:
-        top_lp, top_ids = jax.lax.top_k(raw_lp, num_logprobs)
+        top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), num_logprobs)
     else:
         top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)

@@ -239,7 +239,7 @@ class ModelRunner:
         if self.mirror.on:
             self.mirror("step", *pack(batch))
         phase, (b, t) = batch.phase, batch.shape
-        args = (self._weights_of(phase), self.state.kv, self.state.generation, batch.on_device())
+        args = (self._weights_of(phase), self.state.kv, self.state.generation, batch.as_inputs())
         name = step_name(phase, b, t)
         built = None if batch.all_logits else self.source.lookup(name, lambda: self.step_spec(phase, b, t))
         if built is not None:  # compiled ahead of time: a call with other shapes raises, never compiles

@@ -91,3 +91,45 @@ def test_greedy_rows_take_the_argmax():
     logits = rng.randn(4, V).astype(np.float32)
     toks = draw(logits, [0.0, 1.0, 0.0, 0.7], 0, 1.0, 0.0, [1, 2, 3, 4], [0, 0, 0, 0])
     assert toks[0] == logits[0].argmax() and toks[2] == logits[2].argmax()
+
+
+def test_first_argmax_is_argmax_ties_nan_and_masked_rows():
+    """The two-reduction argmax against numpy's: the first of tied maxima, the first NaN of a
+    row holding one, index 0 of a row masked entirely to -inf."""
+    import jax.numpy as jnp
+
+    from jaxserve.engine.sampler import first_argmax
+
+    rng = np.random.RandomState(1)
+    x = rng.randn(7, 1000).astype(np.float32)
+    x[1, [5, 700]] = 9.0  # a tie: the first wins
+    x[2, [40, 90]] = np.nan  # the first NaN, as jnp.argmax and np.argmax take it
+    x[3] = -np.inf
+    x[4, 999] = np.inf
+    x[5] = np.round(x[5])  # many ties below the maximum
+    got = np.asarray(first_argmax(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+
+
+def test_greedy_logprob_is_the_raw_log_softmax():
+    """A greedy row's token is the argmax and its logprob the float64 log-softmax entry; with
+    top logprobs asked for, the same logprob (the full log-softmax path) to the last bit."""
+    rng = np.random.RandomState(2)
+    logits = (rng.randn(4, 5000) * 3).astype(np.float32)
+    b = logits.shape[0]
+    z32, z = np.zeros(b, np.float32), np.zeros(b, np.int32)
+    args = (logits, np.arange(b, dtype=np.int32), z32, z, np.ones(b, np.float32), z32, z, z)
+    tok, lp, _, _ = map(np.asarray, sample_rows(*args, all_greedy=True, penalties=False, num_logprobs=0))
+    np.testing.assert_array_equal(tok, np.argmax(logits, axis=-1))
+    x = logits.astype(np.float64)
+    ref = x - x.max(-1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+    np.testing.assert_allclose(lp, ref[np.arange(b), tok], rtol=0, atol=2e-5)
+    tok2, lp2, top_ids, top_lp = map(np.asarray, sample_rows(*args, all_greedy=True, penalties=False,
+                                                             num_logprobs=2))
+    np.testing.assert_array_equal(tok2, tok)
+    np.testing.assert_array_equal(top_ids[:, 0], tok)
+    np.testing.assert_array_equal(lp2, lp)
+    np.testing.assert_array_equal(top_lp[:, 0], lp)

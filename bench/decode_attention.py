@@ -1,0 +1,66 @@
+"""The decode step's attention alone, by the block size it reads pages in: SmolLM2-135M's shapes
+(30 layers, 3 KV heads x 3 queries, head dim 64, bf16 pages of 16 tokens) in one jitted call,
+one query a row, for several contexts and page-table widths; the median of --reps calls per
+block size, the sizes interleaved in one process (64 = prefill's block, 256 = decode's).
+
+    python bench/decode_attention.py [--reps 10]
+"""
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.kv import paged
+from jaxserve.kv.formats import get_kv_format
+from jaxserve.models import attention
+
+KVH, G, D, S, LAYERS = 3, 3, 64, 16, 30
+CASES = [(1, 145, 16), (1, 145, 512), (1, 600, 512), (1, 2000, 512), (8, 145, 512), (8, 600, 512)]  # rows, context, width
+
+
+def timed(rows: int, context: int, width: int, chunk: int, reps: int) -> float:
+    fmt = get_kv_format("bf16")
+    rng = np.random.default_rng(0)
+    pools = {}
+    for name in ("k", "v"):
+        pools.update(paged.new_pool(fmt, (KVH, rows * width + 1, S, D), name))
+    pools = {k: jnp.asarray(rng.integers(0, 2 ** 14, v.shape)).astype(v.dtype) for k, v in pools.items()}  # finite bf16
+    table = jnp.asarray(1 + np.arange(rows * width, dtype=np.int32).reshape(rows, width))
+    cached, new = jnp.full((rows,), context - 1, jnp.int32), jnp.ones((rows,), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((rows, 1, KVH * G, D)), jnp.float32)
+
+    @jax.jit
+    def layers(q, pools, table, cached, new):
+        for _ in range(LAYERS):  # each layer's output is the next one's query: nothing is hoisted
+            q = attention.gqa_attention_paged(q, pools, fmt, table, cached, new, 0.125, S, chunk_tokens=chunk)
+        return q
+
+    args = (q, pools, table, cached, new)
+    jax.block_until_ready(layers(*args))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(layers(*args))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    print("| rows | context | table width (pages) | 64-token blocks | 256-token blocks | 512-token blocks |")
+    print("|---|---|---|---|---|---|")
+    for rows, context, width in CASES:
+        ms = {c: [] for c in (64, 256, 512)}
+        for _ in range(2):  # interleaved twice, the better median kept
+            for c in ms:
+                ms[c].append(timed(rows, context, width, c, args.reps) * 1e3)
+        cells = " | ".join(f"{min(v):.2f} ms" for v in ms.values())
+        print(f"| {rows} | {context} | {width} | {cells} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
