@@ -121,7 +121,7 @@ def decode_step_times(llm, prompt: list[int], n: int) -> tuple[list[float], list
 def main(argv=None) -> int:
     args = parse_args(argv)
     from jaxserve import LLM
-    from jaxserve.models.attention import gathered_slots, step_chunk_tokens
+    from jaxserve.models.attention import gathered_slots
     from jaxserve.bench.measure import CompileWatch, machine_info, median, write_json
     from jaxserve.bench.offline import fitted_max_model_len
     from jaxserve.bench.workload import make_workload
@@ -173,8 +173,7 @@ def main(argv=None) -> int:
         w = weight_bytes(llm)
         kv_tok = kv_bytes_per_token(llm)
         need = w + kv_tok * mean_ctx
-        slots = gathered_slots(llm.runner.max_pages_per_seq, args.page_size, int(mean_ctx), step_chunk_tokens(1))
-        gathered = w + kv_tok * slots
+        gathered = w + kv_tok * gathered_slots(llm.runner.max_pages_per_seq, args.page_size, int(mean_ctx))
         step = median(steps[name])
         prog = median(program[name])
         row = dict(

@@ -223,9 +223,9 @@ def _gathered_mb(llm, batch: int, context: int) -> float:
     """MB of KV pages the decode program gathers per step: whole chunks of pages up to the
     batch's longest context and the step's own token, read back from its page (the whole table
     when one chunk spans it)."""
-    from jaxserve.models.attention import gathered_slots, step_chunk_tokens
+    from jaxserve.models.attention import gathered_slots
 
-    slots = gathered_slots(llm.runner.max_pages_per_seq, llm.page_size, context + 1, step_chunk_tokens(1))
+    slots = gathered_slots(llm.runner.max_pages_per_seq, llm.page_size, context + 1)
     per_slot = llm.memory_report()["kv_bytes_per_token"]
     return batch * slots * per_slot / 1e6
 

@@ -5,14 +5,12 @@ written its new tokens' K/V into their pages, and reads every key, the step's ow
 back from the pages: each token attends to K/V exactly as the cache stores them (rounded or
 quantized by the KV format), in the same blocks of absolute positions, whichever step wrote
 them. So a request's numbers do not depend on where its prompt was split into chunks, on a
-prefix-cache hit, or on what else is in the batch. Every multi-token step (prefill chunks of
-any size, verify) reads the same blocks; a one-token step (decode) reads larger ones
-(``step_chunk_tokens``). The backends (this one, and the Pallas kernels for GPU) are chosen
+prefix-cache hit, or on what else is in the batch. Prefill (T = chunk) and decode (T = 1)
+are the same computation. The backends (this one, and the Pallas kernels for GPU) are chosen
 by name in ``attention_backends``.
 
-Pages are read in chunks of pages, the first straight-line and the rest inside a loop whose
-trip count is the batch's longest sequence, with an online softmax (running max, denominator
-and weighted sum in float32). The
+Pages are read in chunks of pages inside a loop whose trip count is the batch's longest
+sequence, with an online softmax (running max, denominator and weighted sum in float32). The
 page table keeps one fixed width (the longest sequence the engine admits), so there is one
 program per padding bucket, yet a step costs what the batch's real context costs, not what
 the table's width would. ``gqa_attention`` / ``mla_attention`` are one-shot forms over an
@@ -75,17 +73,7 @@ def gqa_attention(q, ctx_k, ctx_v, ctx_mask, new_k, new_v, causal, scale: float)
 
 
 # ----------------------------------------------------------------------------- chunked paged
-CHUNK_TOKENS = 64  # context tokens read per loop trip (rounded to whole pages) for multi-token steps
-# For one-token steps (decode) a trip costs mostly its dozen small ops, not its bytes (a decode
-# query's scores are [1, C]): 4x fewer trips read at most 192 more slots, whose share shrinks
-# with the context. Prefill keeps the smaller block (its scores are [T, C]); its positions are
-# never computed by decode, so each position's numbers stay one function of the schedule.
-DECODE_CHUNK_TOKENS = 256
-
-
-def step_chunk_tokens(t: int) -> int:
-    """Context tokens per loop trip for a step of ``t`` new tokens a row."""
-    return DECODE_CHUNK_TOKENS if t == 1 else CHUNK_TOKENS
+CHUNK_TOKENS = 64  # context tokens read per loop iteration (rounded to whole pages)
 
 
 def chunk_pages(page_size: int, width: int, chunk_tokens: int = CHUNK_TOKENS) -> int:
@@ -167,7 +155,7 @@ def _finish(l, acc):
 
 
 def gqa_attention_paged(q, kv, fmt, page_table, cached_lens, new_lens, scale: float, page_size: int,
-                        chunk_tokens: int | None = None):
+                        chunk_tokens: int = CHUNK_TOKENS):
     """Grouped-query attention over pages that already hold this step's K/V.
 
     q [B, T, H, D] (row b's query t at position cached_lens[b] + t); kv pools "k"/"v"
@@ -190,7 +178,7 @@ def gqa_attention_paged(q, kv, fmt, page_table, cached_lens, new_lens, scale: fl
             lambda p: jnp.einsum("bkgtc,kbcd->bkgtd", p.astype(dt), cv, preferred_element_type=f32),
         )
 
-    cp = chunk_pages(page_size, page_table.shape[1], chunk_tokens or step_chunk_tokens(t))
+    cp = chunk_pages(page_size, page_table.shape[1], chunk_tokens)
     init = _online_empty((b, k, g, t), d)
     _, l, acc = _context_loop(page_table, cached_lens + new_lens, page_size, cp, init, update)
     out = _finish(l, acc)  # [B, K, G, T, D]
@@ -198,7 +186,7 @@ def gqa_attention_paged(q, kv, fmt, page_table, cached_lens, new_lens, scale: fl
 
 
 def mla_attention_paged(q_lat, q_rope, kv, fmt, page_table, cached_lens, new_lens, scale: float, page_size: int,
-                        chunk_tokens: int | None = None, select=None):
+                        chunk_tokens: int = CHUNK_TOKENS, select=None):
     """Absorbed-form MLA over pages that already hold this step's latent / rope key.
 
     q_lat [B, T, H, R], q_rope [B, T, H, Dr] (row b's query t at position cached_lens[b] + t);
@@ -211,7 +199,7 @@ def mla_attention_paged(q_lat, q_rope, kv, fmt, page_table, cached_lens, new_len
     b, t, h, r = q_lat.shape
     dt = q_lat.dtype
     f32 = jnp.float32
-    cp = chunk_pages(page_size, page_table.shape[1], chunk_tokens or step_chunk_tokens(t))
+    cp = chunk_pages(page_size, page_table.shape[1], chunk_tokens)
     if select is not None:  # padded like the table in _context_loop: whole chunks, nothing selected
         slots = -(-page_table.shape[1] // cp) * cp * page_size
         select = jnp.pad(select, ((0, 0), (0, 0), (0, slots - select.shape[2])))

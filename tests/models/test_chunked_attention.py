@@ -166,40 +166,6 @@ def test_gathered_slots_follow_the_longest_context():
     assert attention.gathered_slots(16, 16, 152, chunk_tokens=64) == 192
 
 
-def test_decode_reads_larger_blocks_and_stops_at_the_longest_context():
-    """A one-token step (decode) reads DECODE_CHUNK_TOKENS-token blocks, a multi-token step
-    CHUNK_TOKENS-token ones (the defaults equal those chunk sizes given explicitly, to the last
-    bit); the decode loop still stops at the longest sequence (NaN pages past it)."""
-    page, width, kvh, g, d = 16, 64, 2, 3, 8
-    fmt = get_kv_format("bf16")
-    rng = np.random.default_rng(3)
-    pools = {}
-    for name in ("k", "v"):
-        pools.update(paged.new_pool(fmt, (kvh, width + 2, page, d), name))
-    pg = jnp.repeat(jnp.arange(width + 2), page)[None]
-    off = jnp.tile(jnp.arange(page), width + 2)[None]
-    for name in ("k", "v"):
-        vals = rng.standard_normal((1, (width + 2) * page, kvh, d)).astype(np.float32)
-        vals[:, (width + 1) * page:] = np.nan  # the last page: poison
-        pools = paged.store(fmt, pools, name, jnp.asarray(vals), pg, off, headed=True)
-    cached = np.array([300, 40], np.int32)  # 301 tokens: two 256-token decode blocks
-    table = np.zeros((2, width), np.int32)
-    table[0, :19], table[1, :3] = np.arange(1, 20), np.arange(20, 23)
-    poisoned = table.copy()
-    poisoned[:, 32:] = width + 1  # past the second decode block
-    q = jnp.asarray(rng.standard_normal((2, 1, kvh * g, d)), jnp.float32)
-    one = jnp.ones(2, jnp.int32)
-    call = lambda tbl, **kw: np.asarray(attention.gqa_attention_paged(  # noqa: E731
-        q, pools, fmt, jnp.asarray(tbl), jnp.asarray(cached), one, 0.3, page, **kw))
-    got = call(table)
-    np.testing.assert_array_equal(got, call(table, chunk_tokens=attention.DECODE_CHUNK_TOKENS))
-    np.testing.assert_array_equal(call(poisoned), got)
-    ref = call(table, chunk_tokens=width * page)  # one block over the whole table
-    np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-5)
-    assert attention.step_chunk_tokens(1) == attention.DECODE_CHUNK_TOKENS
-    assert attention.step_chunk_tokens(4) == attention.step_chunk_tokens(128) == attention.CHUNK_TOKENS
-
-
 @pytest.mark.parametrize("fmt_name", ["bf16", "fp8_e4m3"])
 def test_pallas_decode_reads_the_new_token_as_stored(fmt_name):
     """The Pallas backend (interpreted) attends over the cached context and the step's token as
