@@ -1,7 +1,8 @@
 """The decode step's attention alone, by the block size it reads pages in: SmolLM2-135M's shapes
 (30 layers, 3 KV heads x 3 queries, head dim 64, bf16 pages of 16 tokens) in one jitted call,
 one query a row, for several contexts and page-table widths; the median of --reps calls per
-block size, the sizes interleaved in one process (64 = prefill's block, 256 = decode's).
+block size, the sizes interleaved in one process (64 = the block every program reads; larger ones
+for comparison).
 
     python bench/decode_attention.py [--reps 10]
 """
