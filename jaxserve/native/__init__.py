@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 TARGETS = ("jaxserve_int4_w4a16", "jaxserve_int8_w8a16", "jaxserve_fp8_w8a16", "jaxserve_bf16_w16a32",
            "jaxserve_w8a8_s32")
 ENV = "JAXSERVE_NATIVE"  # "0": do not use the native kernels
-ISA_NAMES = {2: "avx512", 1: "avx2"}  # JAXSERVE_NATIVE_ISA=avx2 keeps AVX-512 machines on the AVX2 copy
+# JAXSERVE_NATIVE_ISA=avx2 keeps AVX-512 machines on the AVX2 copy; =avx512 off the VNNI kernels
+ISA_NAMES = {3: "avx512-vnni", 2: "avx512", 1: "avx2"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +41,7 @@ class NativeStatus:
     available: bool
     reason: str  # why not, or what was loaded
     library: str | None = None
-    isa: str | None = None  # "avx512" | "avx2": the kernels' instruction set (from cpuid)
+    isa: str | None = None  # "avx512-vnni" | "avx512" | "avx2": the kernels' instruction set (cpuid)
 
 
 def _library_path() -> pathlib.Path | None:

@@ -122,6 +122,10 @@ struct Isa {
 };
 #include "kernels.inc"
 #pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")
+#include "vnni.inc"
+#pragma GCC pop_options
 }  // namespace avx512
 
 // ----------------------------------------------------------------------------- AVX2
@@ -161,21 +165,25 @@ struct Isa {
 #pragma GCC pop_options
 }  // namespace avx2
 
-// 2: AVX-512 (F, BW, VL, DQ) with F16C and FMA; 1: AVX2 with F16C and FMA; 0: neither.
+// 3: AVX-512 with VNNI (the integer W4A8 / W8A8 kernels); 2: AVX-512 (F, BW, VL, DQ) with
+// F16C and FMA; 1: AVX2 with F16C and FMA; 0: none of these.
 int IsaLevel() {
   static const int level = [] {
     __builtin_cpu_init();
     bool base = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    const char* cap = std::getenv("JAXSERVE_NATIVE_ISA");  // "avx2": do not use AVX-512
-    if (cap && std::strcmp(cap, "avx2") == 0) wide = false;
-    return base ? (wide ? 2 : 1) : 0;
+    bool vnni = wide && __builtin_cpu_supports("avx512vnni");
+    // "avx2": do not use AVX-512; "avx512": AVX-512 without the VNNI kernels
+    const char* cap = std::getenv("JAXSERVE_NATIVE_ISA");
+    if (cap && std::strcmp(cap, "avx2") == 0) wide = vnni = false;
+    if (cap && std::strcmp(cap, "avx512") == 0) vnni = false;
+    return base ? (vnni ? 3 : wide ? 2 : 1) : 0;
   }();
   return level;
 }
 
-#define JAXSERVE_ISA(CALL) (IsaLevel() == 2 ? (void)(avx512::CALL) : (void)(avx2::CALL))
+#define JAXSERVE_ISA(CALL) (IsaLevel() >= 2 ? (void)(avx512::CALL) : (void)(avx2::CALL))
 
 }  // namespace
 
@@ -189,7 +197,10 @@ ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   int64_t M = xd[0], Kp = xd[1], N = wd[1];
   if (group < 2 || group % 2 || Kp % group || wd[0] * 2 != Kp || sd[0] != Kp / group || sd[1] != N)
     return ffi::Error::InvalidArgument("int4: shapes do not match the group layout");
-  JAXSERVE_ISA(RunInt4(pool, x.typed_data(), M, Kp, w.typed_data(), N, s.typed_data(), group, y->typed_data()));
+  if (IsaLevel() == 3 && group % 4 == 0)
+    avx512::vnni::RunW4A8(pool, x.typed_data(), M, Kp, w.typed_data(), N, s.typed_data(), group, y->typed_data());
+  else
+    JAXSERVE_ISA(RunInt4(pool, x.typed_data(), M, Kp, w.typed_data(), N, s.typed_data(), group, y->typed_data()));
   return ffi::Error::Success();
 }
 
@@ -198,7 +209,10 @@ ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   auto xd = x.dimensions(), wd = w.dimensions(), sd = s.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1] || sd.size() != 2 || sd[0] != 1 || sd[1] != wd[1])
     return ffi::Error::InvalidArgument("int8: x [M, K], w [K, N], scales [1, N] expected");
-  JAXSERVE_ISA(RunInt8(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], s.typed_data(), y->typed_data()));
+  if (IsaLevel() == 3)
+    avx512::vnni::RunW8A8(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], s.typed_data(), y->typed_data());
+  else
+    JAXSERVE_ISA(RunInt8(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], s.typed_data(), y->typed_data()));
   return ffi::Error::Success();
 }
 
@@ -227,7 +241,10 @@ ffi::Error ExactImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<f
                      ffi::ResultBuffer<ffi::S32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1]) return ffi::Error::InvalidArgument("w8a8: bad shapes");
-  JAXSERVE_ISA(RunExact(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], y->typed_data()));
+  if (IsaLevel() == 3)
+    avx512::vnni::RunExactVnni(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], y->typed_data());
+  else
+    JAXSERVE_ISA(RunExact(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], y->typed_data()));
   return ffi::Error::Success();
 }
 
@@ -273,5 +290,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_w8a8_s32, ExactImpl,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
-// The instruction set the kernels run with: 2 AVX-512, 1 AVX2 (+FMA, F16C), 0 none (unusable).
+// The instruction set the kernels run with: 3 AVX-512 + VNNI, 2 AVX-512, 1 AVX2 (+FMA, F16C),
+// 0 none (unusable).
 extern "C" int jaxserve_native_isa() { return IsaLevel(); }
