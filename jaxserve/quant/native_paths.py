@@ -42,9 +42,9 @@ def max_rows() -> dict[str, int]:
 NUMERICS = "{kind}: stored bytes decoded to f32 in registers, f32 activations, f32 accumulation"
 # What the VNNI kernels (jaxserve.native, isa "avx512-vnni") do instead of NUMERICS.
 VNNI_NUMERICS = {
-    "int4": ("W4A8", "activations quantized to int8 per row per weight group (amax/127, round half to even), "
+    "int4": ("W4A8", "activations quantized to int8 per row per weight group (d = amax/127, rint(x/d)), "
                      "int4 x int8 group dots exact in int32, times the weight and activation scales, f32 accumulation"),
-    "int8": ("W8A8", "activations quantized to int8 per row (amax/127, round half to even), int8 x int8 dots "
+    "int8": ("W8A8", "activations quantized to int8 per row (d = amax/127, rint(x/d)), int8 x int8 dots "
                      "exact in int32, times the weight and activation scales in f32"),
 }
 

@@ -51,7 +51,7 @@ def check(y, x, w32):
     assert np.all(np.abs(y - ref) <= bound), np.max(np.abs(y - ref) / bound)
 
 
-SHAPES = [(1, 200, 77), (3, 1000, 200), (8, 64, 136)]
+SHAPES = [(1, 200, 77), (3, 1000, 200), (8, 64, 136), (9, 131, 300)]
 
 
 @needs_native

@@ -1,7 +1,7 @@
 """jaxserve's AVX512-VNNI integer kernels (W4A8 for int4 groups, W8A8 for int8 per channel, the
 exact s8 x s8 -> s32 entry) against numpy: the activations quantized independently here
-(per row per weight group for int4, per row for int8: scale amax / 127, rint of x * (127 /
-amax), round half to even, in float32 as the kernel does), the stored weights decoded here
+(per row per weight group for int4, per row for int8: scale d = amax / 127, rint of x / d,
+round half to even, in float32 as the kernel and jaxserve's XLA W8A8 path do), the stored weights decoded here
 from their bytes, the integer dots in int64 and the rest in float64. So the match is tight:
 only the kernels' float32 scaling and accumulation differ. Odd shapes: N not a multiple of a
 vector or a 64-column panel, K not a multiple of 4 or of the group, 1-9 rows. The float
@@ -31,11 +31,12 @@ def rand(shape, seed, scale=1.0):
 
 
 def quant_rows(x):
-    """int8 codes and float32 scales of x [..., n], one scale over the last axis."""
-    a = np.max(np.abs(x), axis=-1, keepdims=True).astype(np.float32)
-    inv = np.where(a > 0, np.float32(127) / np.where(a > 0, a, 1), 0).astype(np.float32)
-    q = np.clip(np.rint((x * inv).astype(np.float32)), -127, 127).astype(np.int64)
-    return q, (a / np.float32(127)).astype(np.float32)
+    """int8 codes and float32 scales of x [..., n], one scale over the last axis: d = amax / 127
+    (1 where amax is 0), codes rint(x / d) in float32 (jaxserve's W8A8 convention)."""
+    d = (np.max(np.abs(x), axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    d = np.where(d > 0, d, np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint((x / d).astype(np.float32)), -127, 127).astype(np.int64)
+    return q, d
 
 
 def int4_codes(qw):

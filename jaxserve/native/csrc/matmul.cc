@@ -121,6 +121,7 @@ struct Isa {
   }
 };
 #include "kernels.inc"
+#include "bf16.inc"
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")
@@ -232,8 +233,11 @@ ffi::Error Bf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
                     ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1]) return ffi::Error::InvalidArgument("bf16: bad shapes");
-  JAXSERVE_ISA(RunBf16(pool, x.typed_data(), xd[0], xd[1], reinterpret_cast<const uint16_t*>(w.untyped_data()),
-                       wd[1], y->typed_data()));
+  const auto* bits = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  if (IsaLevel() >= 2)
+    avx512::split::RunBf16(pool, x.typed_data(), xd[0], xd[1], bits, wd[1], y->typed_data());
+  else
+    avx2::RunBf16(pool, x.typed_data(), xd[0], xd[1], bits, wd[1], y->typed_data());
   return ffi::Error::Success();
 }
 
