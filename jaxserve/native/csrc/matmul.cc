@@ -2,11 +2,15 @@
 // programs as XLA FFI custom calls (registered for the CPU platform by jaxserve.native).
 //
 // Every kernel computes y[M, N] = x[M, K] . decode(w)[K, N] reading w as jaxserve stores it
-// (row-major [K, N], N contiguous), one 64-column panel at a time: each stored row of a panel
-// is one 64-byte line for int4 / int8 / fp8 (two for bf16), decoded to float32 in registers
-// and multiplied into M x 64 float32 accumulators. Nothing dense is ever written. The panel of
-// one weight is read once per 4 rows of x (it stays in L2 between row chunks), so the cost is
-// the weight's stored bytes for the batches decode runs (M <= 8).
+// (row-major [K, N], N contiguous), one strip of columns at a time, decoded in registers and
+// multiplied into up to 4 rows x the strip's accumulators. Nothing dense is ever written. A
+// strip is read once per 4 rows of x (it stays in L2 between row chunks), so the cost is the
+// weight's stored bytes for the batches decode runs (M <= 8).
+//   float kernels (kernels.inc, AVX2 and AVX-512; bf16.inc for AVX-512 bf16): the weights
+//     decoded to float32, f32 activations, FMA into f32 accumulators held in registers while
+//     the strip walks K row by row (each stored row one contiguous run, prefetched ahead);
+//   integer kernels (vnni.inc, AVX512-VNNI): int4 groups as W4A8 and int8 as W8A8, the
+//     activations quantized to int8 in the kernel, vpdpbusd int32 dots, scales in f32.
 //
 // Formats (see jaxserve/quant/*.py for the layouts):
 //   int4 groups  w u8 [Kp/2, N] (group tile: low nibbles rows t*G+j, high rows t*G+G/2+j),
