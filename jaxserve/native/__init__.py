@@ -19,7 +19,8 @@ Entry points (x f32 [M, K]; all return f32 [M, N] except ``w8a8_s32``):
   as above, exact int32 dots, scales on the result; the numerics of XLA's W8A8 path), else f32
   activations;
 - ``w8a8_s32(xq, q)``: int8 x int8, exact int32 [M, N] (VNNI where there is);
-- ``fp8_w8a16(x, bits, scales, bk, bn)``: e4m3 bits (uint8) with a scale per (bk x bn) block;
+- ``fp8_w8a16(x, w, scales, bk, bn)``: e4m3fn weights (or their uint8 bits) with a scale per
+  (bk x bn) block;
 - ``bf16_w16a32(x, w)``: bf16 weights widened exactly to f32.
 """
 from __future__ import annotations
@@ -123,7 +124,8 @@ def w8a8_s32(xq, q):
 
 
 def fp8_w8a16(x, bits, scales, bk: int, bn: int):
-    """x f32 [M, K], bits u8 [K, N] (e4m3fn), scales f32 [ceil(K/bk), ceil(N/bn)] -> f32 [M, N]."""
+    """x f32 [M, K], bits [K, N] (float8_e4m3fn, or its bits as uint8), scales f32
+    [ceil(K/bk), ceil(N/bn)] -> f32 [M, N]."""
     return jax.ffi.ffi_call("jaxserve_fp8_w8a16", _f32(x.shape[0], bits.shape[1]))(
         x.astype(jnp.float32), bits, jnp.asarray(scales, jnp.float32), bk=np.int64(bk), bn=np.int64(bn))
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import jax
 import jax.numpy as jnp
 
 from jaxserve import native
@@ -57,8 +56,8 @@ def int4_dense(x, qw: QuantizedWeight):
 
 def fp8_dense(x, qw: QuantizedWeight):
     bk, bn = qw.fmt.scale_block
-    bits = jax.lax.bitcast_convert_type(jnp.asarray(qw.values), jnp.uint8)
-    return native.fp8_w8a16(x, bits, qw.scales, bk or qw.shape[0], max(bn, 1))
+    # the e4m3 array as it is: a bitcast to uint8 here would be a copy of the weight per call
+    return native.fp8_w8a16(x, qw.values, qw.scales, bk or qw.shape[0], max(bn, 1))
 
 
 def int8_dense(x, qw: QuantizedWeight):

@@ -110,13 +110,13 @@ struct Isa {
     __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
   }
-  // e4m3fn -> f16 bits (sign; exponent and mantissa shifted by 7) = 2^-8 x the value, for
-  // subnormals and NaN too; the caller folds the 2^8 into the scales.
+  // e4m3fn -> f16 bits: the byte sign-extended to 16 bits and shifted by 7 puts exponent and
+  // mantissa at bits 7..13 and the sign at 14..15; clearing bit 14 leaves the f16 of 2^-8 x
+  // the value, for subnormals and NaN too (the f16 -> f32 convert takes f16 subnormals whatever
+  // the thread's denormals-are-zero mode); the caller folds the 2^8 into the scales.
   static F Fp8(const uint8_t* p) {
-    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    __m256i mag = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
-    __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
-    return _mm512_cvtph_ps(_mm256_or_si256(mag, sign));
+    __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 7);
+    return _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16(int16_t(0xBFFF))));
   }
   static void Nibbles(const uint8_t* p, F& lo, F& hi) {
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -155,10 +155,8 @@ struct Isa {
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
   }
   static F Fp8(const uint8_t* p) {  // as avx512::Isa::Fp8
-    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    __m128i mag = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
-    __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
-    return _mm256_cvtph_ps(_mm_or_si128(mag, sign));
+    __m128i h = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 7);
+    return _mm256_cvtph_ps(_mm_and_si128(h, _mm_set1_epi16(int16_t(0xBFFF))));
   }
   static void Nibbles(const uint8_t* p, F& lo, F& hi) {
     __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -221,15 +219,19 @@ ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
-ffi::Error Fp8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+// w: the e4m3fn array itself (no bitcast in the program: XLA:CPU would copy the weight) or its
+// bits as uint8.
+ffi::Error Fp8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                    ffi::Buffer<ffi::F32> s, int64_t bk, int64_t bn, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions(), sd = s.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1] || sd.size() != 2)
     return ffi::Error::InvalidArgument("fp8: x [M, K], w [K, N] expected");
+  if (w.element_type() != ffi::DataType::F8E4M3FN && w.element_type() != ffi::DataType::U8)
+    return ffi::Error::InvalidArgument("fp8: w must be float8_e4m3fn or its uint8 bits");
   int64_t K = xd[1], N = wd[1];
   if (bk < 1 || bn < 1 || (bn > 1 && bn % 16) || sd[0] != (K + bk - 1) / bk || sd[1] != (N + bn - 1) / bn)
     return ffi::Error::InvalidArgument("fp8: scales do not match the scale block");
-  JAXSERVE_ISA(RunFp8(pool, x.typed_data(), xd[0], K, w.typed_data(), N, s.typed_data(), bk, bn, y->typed_data()));
+  JAXSERVE_ISA(RunFp8(pool, x.typed_data(), xd[0], K, static_cast<const uint8_t*>(w.untyped_data()), N, s.typed_data(), bk, bn, y->typed_data()));
   return ffi::Error::Success();
 }
 
@@ -278,7 +280,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_fp8_w8a16, Fp8Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("bk")
                                   .Attr<int64_t>("bn")
