@@ -25,7 +25,7 @@ from jaxserve.quant.qweight import QuantizedWeight
 
 # Formats with a native path and the most rows it serves (measured, see the module docstring);
 # JAXSERVE_NATIVE_ROWS="int8=8,bf16=1" overrides entries (for measuring; 0 = XLA's path).
-MAX_ROWS = {"int4": 8, "fp8": 1, "fp8_block": 1, "bf16": 4, "int8": 4}
+MAX_ROWS = {"int4": 8, "fp8": 8, "fp8_block": 8, "bf16": 4, "int8": 4}
 ROWS_ENV = "JAXSERVE_NATIVE_ROWS"
 
 
