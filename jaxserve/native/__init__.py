@@ -4,15 +4,23 @@ custom calls inside the jitted programs.
 The C++ source is ``csrc/matmul.cc``; the normal install (``pip install -e .``, i.e.
 ``scripts/setup.sh``) compiles it into ``_kernels*.so`` next to this file (setup.py, XLA's FFI
 headers from ``jax.ffi.include_dir()``). ``status()`` loads it once, asks it which copy of the
-kernels the CPU runs (cpuid: AVX-512 F/BW/VL/DQ, else AVX2; both with FMA and F16C) and registers the handlers for the CPU platform; when
+kernels the CPU runs (cpuid: AVX-512 F/BW/VL/DQ with AVX512-VNNI, AVX-512 without, else AVX2;
+all with FMA and F16C; ``JAXSERVE_NATIVE_ISA=avx512`` or ``=avx2`` caps it) and registers the
+handlers for the CPU platform; when
 any of that fails, or ``JAXSERVE_NATIVE=0`` is set, ``available()`` is False, the reason is
 logged once, and the matmul registry keeps XLA's own formulations.
 
 Entry points (x f32 [M, K]; all return f32 [M, N] except ``w8a8_s32``):
-- ``int4_w4a16(x, packed, scales, group)``: jaxserve's int4 group layout, x padded to Kp;
-- ``int8_w8a16(x, q, scales)``: int8 per channel, f32 activations;
-- ``w8a8_s32(xq, q)``: int8 x int8, exact int32 [M, N];
-- ``fp8_w8a16(x, bits, scales, bk, bn)``: e4m3 bits (uint8) with a scale per (bk x bn) block;
+- ``int4_w4a16(x, packed, scales, group)``: jaxserve's int4 group layout, x padded to Kp; with
+  VNNI (isa "avx512-vnni", group a multiple of 4) it runs W4A8: each row of x quantized to int8
+  per group of ``group`` k (d = amax / 127, rint(x / d)), exact int32 group dots, then the
+  weight and activation scales in f32; else nibbles times scales in f32 registers, f32 x;
+- ``int8_w8a16(x, q, scales)``: int8 per channel; with VNNI W8A8 (x quantized to int8 per row
+  as above, exact int32 dots, scales on the result; the numerics of XLA's W8A8 path), else f32
+  activations;
+- ``w8a8_s32(xq, q)``: int8 x int8, exact int32 [M, N] (VNNI where there is);
+- ``fp8_w8a16(x, w, scales, bk, bn)``: e4m3fn weights (or their uint8 bits) with a scale per
+  (bk x bn) block;
 - ``bf16_w16a32(x, w)``: bf16 weights widened exactly to f32.
 """
 from __future__ import annotations
@@ -32,7 +40,8 @@ log = logging.getLogger(__name__)
 TARGETS = ("jaxserve_int4_w4a16", "jaxserve_int8_w8a16", "jaxserve_fp8_w8a16", "jaxserve_bf16_w16a32",
            "jaxserve_w8a8_s32")
 ENV = "JAXSERVE_NATIVE"  # "0": do not use the native kernels
-ISA_NAMES = {2: "avx512", 1: "avx2"}  # JAXSERVE_NATIVE_ISA=avx2 keeps AVX-512 machines on the AVX2 copy
+# JAXSERVE_NATIVE_ISA=avx2 keeps AVX-512 machines on the AVX2 copy; =avx512 off the VNNI kernels
+ISA_NAMES = {3: "avx512-vnni", 2: "avx512", 1: "avx2"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +49,7 @@ class NativeStatus:
     available: bool
     reason: str  # why not, or what was loaded
     library: str | None = None
-    isa: str | None = None  # "avx512" | "avx2": the kernels' instruction set (from cpuid)
+    isa: str | None = None  # "avx512-vnni" | "avx512" | "avx2": the kernels' instruction set (cpuid)
 
 
 def _library_path() -> pathlib.Path | None:
@@ -115,7 +124,8 @@ def w8a8_s32(xq, q):
 
 
 def fp8_w8a16(x, bits, scales, bk: int, bn: int):
-    """x f32 [M, K], bits u8 [K, N] (e4m3fn), scales f32 [ceil(K/bk), ceil(N/bn)] -> f32 [M, N]."""
+    """x f32 [M, K], bits [K, N] (float8_e4m3fn, or its bits as uint8), scales f32
+    [ceil(K/bk), ceil(N/bn)] -> f32 [M, N]."""
     return jax.ffi.ffi_call("jaxserve_fp8_w8a16", _f32(x.shape[0], bits.shape[1]))(
         x.astype(jnp.float32), bits, jnp.asarray(scales, jnp.float32), bk=np.int64(bk), bn=np.int64(bn))
 

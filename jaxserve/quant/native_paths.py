@@ -1,8 +1,10 @@
 """The native CPU matmul paths: jaxserve.native's kernels for small batches, XLA's below.
 
 A native path multiplies the stored weight bytes as they are (int4 groups, fp8 e4m3 with
-channel or block scales, int8 per channel, bf16), decoding them to float32 in registers,
-with float32 activations and float32 accumulation. It serves batches of at most
+channel or block scales, int8 per channel, bf16). bf16 and fp8 are decoded to float32 in
+registers, with float32 activations and float32 accumulation. int4 and int8 do the same on
+CPUs without AVX512-VNNI; with it they run integer dots (W4A8: activations quantized to int8
+per row per weight group; W8A8: per row), exact in int32, scaled in float32. It serves batches of at most
 ``max_rows`` rows (the decode buckets) and hands larger ones to the XLA formulation it
 replaces (``fallback``), whose GEMMs win there. Which formats get one, and up to how many
 rows, is ``MAX_ROWS``: the rule measured side by side against XLA's paths on this machine
@@ -16,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import jax
 import jax.numpy as jnp
 
 from jaxserve import native
@@ -24,7 +25,7 @@ from jaxserve.quant.qweight import QuantizedWeight
 
 # Formats with a native path and the most rows it serves (measured, see the module docstring);
 # JAXSERVE_NATIVE_ROWS="int8=8,bf16=1" overrides entries (for measuring; 0 = XLA's path).
-MAX_ROWS = {"int4": 8, "fp8": 1, "fp8_block": 1, "bf16": 8, "int8": 0}
+MAX_ROWS = {"int4": 8, "fp8": 8, "fp8_block": 8, "bf16": 4, "int8": 4}
 ROWS_ENV = "JAXSERVE_NATIVE_ROWS"
 
 
@@ -38,6 +39,13 @@ def max_rows() -> dict[str, int]:
         out[fam] = int(rows)
     return out
 NUMERICS = "{kind}: stored bytes decoded to f32 in registers, f32 activations, f32 accumulation"
+# What the VNNI kernels (jaxserve.native, isa "avx512-vnni") do instead of NUMERICS.
+VNNI_NUMERICS = {
+    "int4": ("W4A8", "activations quantized to int8 per row per weight group (d = amax/127, rint(x/d)), "
+                     "int4 x int8 group dots exact in int32, times the weight and activation scales, f32 accumulation"),
+    "int8": ("W8A8", "activations quantized to int8 per row (d = amax/127, rint(x/d)), int8 x int8 dots "
+                     "exact in int32, times the weight and activation scales in f32"),
+}
 
 
 def int4_dense(x, qw: QuantizedWeight):
@@ -48,8 +56,8 @@ def int4_dense(x, qw: QuantizedWeight):
 
 def fp8_dense(x, qw: QuantizedWeight):
     bk, bn = qw.fmt.scale_block
-    bits = jax.lax.bitcast_convert_type(jnp.asarray(qw.values), jnp.uint8)
-    return native.fp8_w8a16(x, bits, qw.scales, bk or qw.shape[0], max(bn, 1))
+    # the e4m3 array as it is: a bitcast to uint8 here would be a copy of the weight per call
+    return native.fp8_w8a16(x, qw.values, qw.scales, bk or qw.shape[0], max(bn, 1))
 
 
 def int8_dense(x, qw: QuantizedWeight):
@@ -71,8 +79,12 @@ def native_path(family: str, fallback, max_rows: int, isa: str):
     def dense(x, qw):
         return kernel(x, qw) if x.shape[0] <= max_rows else fallback.dense(x, qw)
 
-    numerics = (f"<= {max_rows} rows: {NUMERICS.format(kind=f'native {isa} {kind} kernel')}; "
-                f"more rows: {fallback.name} ({fallback.numerics})")
+    if isa == "avx512-vnni" and family in VNNI_NUMERICS:
+        tag, text = VNNI_NUMERICS[family]
+        kind, what = tag.lower(), f"native {isa} {tag} kernel: {text}"
+    else:
+        what = NUMERICS.format(kind=f"native {isa} {kind} kernel")
+    numerics = f"<= {max_rows} rows: {what}; more rows: {fallback.name} ({fallback.numerics})"
     return dataclasses.replace(fallback, name=f"cpu:native-{kind}", numerics=numerics, dense=dense)
 
 

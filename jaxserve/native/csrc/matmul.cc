@@ -2,11 +2,15 @@
 // programs as XLA FFI custom calls (registered for the CPU platform by jaxserve.native).
 //
 // Every kernel computes y[M, N] = x[M, K] . decode(w)[K, N] reading w as jaxserve stores it
-// (row-major [K, N], N contiguous), one 64-column panel at a time: each stored row of a panel
-// is one 64-byte line for int4 / int8 / fp8 (two for bf16), decoded to float32 in registers
-// and multiplied into M x 64 float32 accumulators. Nothing dense is ever written. The panel of
-// one weight is read once per 4 rows of x (it stays in L2 between row chunks), so the cost is
-// the weight's stored bytes for the batches decode runs (M <= 8).
+// (row-major [K, N], N contiguous), one strip of columns at a time, decoded in registers and
+// multiplied into up to 4 rows x the strip's accumulators. Nothing dense is ever written. A
+// strip is read once per 4 rows of x (it stays in L2 between row chunks), so the cost is the
+// weight's stored bytes for the batches decode runs (M <= 8).
+//   float kernels (kernels.inc, AVX2 and AVX-512; bf16.inc for AVX-512 bf16): the weights
+//     decoded to float32, f32 activations, FMA into f32 accumulators held in registers while
+//     the strip walks K row by row (each stored row one contiguous run, prefetched ahead);
+//   integer kernels (vnni.inc, AVX512-VNNI): int4 groups as W4A8 and int8 as W8A8, the
+//     activations quantized to int8 in the kernel, vpdpbusd int32 dots, scales in f32.
 //
 // Formats (see jaxserve/quant/*.py for the layouts):
 //   int4 groups  w u8 [Kp/2, N] (group tile: low nibbles rows t*G+j, high rows t*G+G/2+j),
@@ -106,13 +110,13 @@ struct Isa {
     __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
   }
-  // e4m3fn -> f16 bits (sign; exponent and mantissa shifted by 7) = 2^-8 x the value, for
-  // subnormals and NaN too; the caller folds the 2^8 into the scales.
+  // e4m3fn -> f16 bits: the byte sign-extended to 16 bits and shifted by 7 puts exponent and
+  // mantissa at bits 7..13 and the sign at 14..15; clearing bit 14 leaves the f16 of 2^-8 x
+  // the value, for subnormals and NaN too (the f16 -> f32 convert takes f16 subnormals whatever
+  // the thread's denormals-are-zero mode); the caller folds the 2^8 into the scales.
   static F Fp8(const uint8_t* p) {
-    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    __m256i mag = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
-    __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
-    return _mm512_cvtph_ps(_mm256_or_si256(mag, sign));
+    __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 7);
+    return _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16(int16_t(0xBFFF))));
   }
   static void Nibbles(const uint8_t* p, F& lo, F& hi) {
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -121,6 +125,11 @@ struct Isa {
   }
 };
 #include "kernels.inc"
+#include "bf16.inc"
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")
+#include "vnni.inc"
 #pragma GCC pop_options
 }  // namespace avx512
 
@@ -146,10 +155,8 @@ struct Isa {
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
   }
   static F Fp8(const uint8_t* p) {  // as avx512::Isa::Fp8
-    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    __m128i mag = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
-    __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
-    return _mm256_cvtph_ps(_mm_or_si128(mag, sign));
+    __m128i h = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 7);
+    return _mm256_cvtph_ps(_mm_and_si128(h, _mm_set1_epi16(int16_t(0xBFFF))));
   }
   static void Nibbles(const uint8_t* p, F& lo, F& hi) {
     __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -161,21 +168,25 @@ struct Isa {
 #pragma GCC pop_options
 }  // namespace avx2
 
-// 2: AVX-512 (F, BW, VL, DQ) with F16C and FMA; 1: AVX2 with F16C and FMA; 0: neither.
+// 3: AVX-512 with VNNI (the integer W4A8 / W8A8 kernels); 2: AVX-512 (F, BW, VL, DQ) with
+// F16C and FMA; 1: AVX2 with F16C and FMA; 0: none of these.
 int IsaLevel() {
   static const int level = [] {
     __builtin_cpu_init();
     bool base = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    const char* cap = std::getenv("JAXSERVE_NATIVE_ISA");  // "avx2": do not use AVX-512
-    if (cap && std::strcmp(cap, "avx2") == 0) wide = false;
-    return base ? (wide ? 2 : 1) : 0;
+    bool vnni = wide && __builtin_cpu_supports("avx512vnni");
+    // "avx2": do not use AVX-512; "avx512": AVX-512 without the VNNI kernels
+    const char* cap = std::getenv("JAXSERVE_NATIVE_ISA");
+    if (cap && std::strcmp(cap, "avx2") == 0) wide = vnni = false;
+    if (cap && std::strcmp(cap, "avx512") == 0) vnni = false;
+    return base ? (vnni ? 3 : wide ? 2 : 1) : 0;
   }();
   return level;
 }
 
-#define JAXSERVE_ISA(CALL) (IsaLevel() == 2 ? (void)(avx512::CALL) : (void)(avx2::CALL))
+#define JAXSERVE_ISA(CALL) (IsaLevel() >= 2 ? (void)(avx512::CALL) : (void)(avx2::CALL))
 
 }  // namespace
 
@@ -189,7 +200,10 @@ ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   int64_t M = xd[0], Kp = xd[1], N = wd[1];
   if (group < 2 || group % 2 || Kp % group || wd[0] * 2 != Kp || sd[0] != Kp / group || sd[1] != N)
     return ffi::Error::InvalidArgument("int4: shapes do not match the group layout");
-  JAXSERVE_ISA(RunInt4(pool, x.typed_data(), M, Kp, w.typed_data(), N, s.typed_data(), group, y->typed_data()));
+  if (IsaLevel() == 3 && group % 4 == 0)
+    avx512::vnni::RunW4A8(pool, x.typed_data(), M, Kp, w.typed_data(), N, s.typed_data(), group, y->typed_data());
+  else
+    JAXSERVE_ISA(RunInt4(pool, x.typed_data(), M, Kp, w.typed_data(), N, s.typed_data(), group, y->typed_data()));
   return ffi::Error::Success();
 }
 
@@ -198,19 +212,26 @@ ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   auto xd = x.dimensions(), wd = w.dimensions(), sd = s.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1] || sd.size() != 2 || sd[0] != 1 || sd[1] != wd[1])
     return ffi::Error::InvalidArgument("int8: x [M, K], w [K, N], scales [1, N] expected");
-  JAXSERVE_ISA(RunInt8(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], s.typed_data(), y->typed_data()));
+  if (IsaLevel() == 3)
+    avx512::vnni::RunW8A8(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], s.typed_data(), y->typed_data());
+  else
+    JAXSERVE_ISA(RunInt8(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], s.typed_data(), y->typed_data()));
   return ffi::Error::Success();
 }
 
-ffi::Error Fp8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+// w: the e4m3fn array itself (no bitcast in the program: XLA:CPU would copy the weight) or its
+// bits as uint8.
+ffi::Error Fp8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                    ffi::Buffer<ffi::F32> s, int64_t bk, int64_t bn, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions(), sd = s.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1] || sd.size() != 2)
     return ffi::Error::InvalidArgument("fp8: x [M, K], w [K, N] expected");
+  if (w.element_type() != ffi::DataType::F8E4M3FN && w.element_type() != ffi::DataType::U8)
+    return ffi::Error::InvalidArgument("fp8: w must be float8_e4m3fn or its uint8 bits");
   int64_t K = xd[1], N = wd[1];
   if (bk < 1 || bn < 1 || (bn > 1 && bn % 16) || sd[0] != (K + bk - 1) / bk || sd[1] != (N + bn - 1) / bn)
     return ffi::Error::InvalidArgument("fp8: scales do not match the scale block");
-  JAXSERVE_ISA(RunFp8(pool, x.typed_data(), xd[0], K, w.typed_data(), N, s.typed_data(), bk, bn, y->typed_data()));
+  JAXSERVE_ISA(RunFp8(pool, x.typed_data(), xd[0], K, static_cast<const uint8_t*>(w.untyped_data()), N, s.typed_data(), bk, bn, y->typed_data()));
   return ffi::Error::Success();
 }
 
@@ -218,8 +239,11 @@ ffi::Error Bf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
                     ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1]) return ffi::Error::InvalidArgument("bf16: bad shapes");
-  JAXSERVE_ISA(RunBf16(pool, x.typed_data(), xd[0], xd[1], reinterpret_cast<const uint16_t*>(w.untyped_data()),
-                       wd[1], y->typed_data()));
+  const auto* bits = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  if (IsaLevel() >= 2)
+    avx512::split::RunBf16(pool, x.typed_data(), xd[0], xd[1], bits, wd[1], y->typed_data());
+  else
+    avx2::RunBf16(pool, x.typed_data(), xd[0], xd[1], bits, wd[1], y->typed_data());
   return ffi::Error::Success();
 }
 
@@ -227,7 +251,10 @@ ffi::Error ExactImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<f
                      ffi::ResultBuffer<ffi::S32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1]) return ffi::Error::InvalidArgument("w8a8: bad shapes");
-  JAXSERVE_ISA(RunExact(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], y->typed_data()));
+  if (IsaLevel() == 3)
+    avx512::vnni::RunExactVnni(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], y->typed_data());
+  else
+    JAXSERVE_ISA(RunExact(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], y->typed_data()));
   return ffi::Error::Success();
 }
 
@@ -253,7 +280,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_fp8_w8a16, Fp8Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("bk")
                                   .Attr<int64_t>("bn")
@@ -273,5 +300,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_w8a8_s32, ExactImpl,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
-// The instruction set the kernels run with: 2 AVX-512, 1 AVX2 (+FMA, F16C), 0 none (unusable).
+// The instruction set the kernels run with: 3 AVX-512 + VNNI, 2 AVX-512, 1 AVX2 (+FMA, F16C),
+// 0 none (unusable).
 extern "C" int jaxserve_native_isa() { return IsaLevel(); }
