@@ -4,8 +4,9 @@ float64 numpy computations on the same stored values.
 The numpy side decodes the stored bytes itself (nibbles, e4m3 codes, int8 codes, scales) and
 models each path's documented rounding: activations rounded to bf16 (bf16 and tile paths),
 weights dequantized in float32 then rounded to bf16 (tile paths), activations quantized per
-row to int8 (W8A8: then the whole product is integer and must match exactly) or to e4m3
-(the GPU fp8 dot), or not at all (the native CPU kernels, jaxserve.native). What is left is float32 accumulation, bounded by ``ACC * |x| @ |w|``.
+row to int8 (W8A8: then the whole product is integer and must match exactly), per row per
+weight group to int8 (the W4A8 native kernel), or to e4m3 (the GPU fp8 dot), or not at all (the
+native CPU kernels' float forms, jaxserve.native). What is left is float32 accumulation, bounded by ``ACC * |x| @ |w|``.
 """
 import functools
 
@@ -40,13 +41,25 @@ def quant_rows(x, qmax, dtype):
     return (np.rint(q) if dtype == np.int8 else q).astype(dtype), s
 
 
-def reference(name, x, w32):
-    """-> (expected f64 [M, N], allowed |error|) for path ``name`` on x [M, K], w32 [K, N]."""
+def quant_groups(x, group: int):
+    """The W4A8 kernels' activations, in float64: x [M, K] quantized to int8 per row per group
+    of ``group`` k-values (quant_rows on each group), times the group's scale."""
+    m, k = x.shape
+    xp = np.pad(x, ((0, 0), (0, -k % group))).reshape(m, -1, group)
+    xq, sx = quant_rows(xp, 127, np.int8)
+    return (xq.astype(np.float64) * sx).reshape(m, -1)[:, :k]
+
+
+def reference(name, x, w32, group: int = 0):
+    """-> (expected f64 [M, N], allowed |error|) for path ``name`` on x [M, K], w32 [K, N]
+    (``group``: the int4 weight group, for W4A8)."""
     x64 = x.astype(np.float64)
     if name.endswith("w8a8"):
         xq, sx = quant_rows(x, 127, np.int8)
         return None, (xq, sx)  # exact integer check, done by the caller
-    if "native" in name:  # stored values decoded to f32 in registers, f32 activations
+    if name.endswith("w4a8"):  # activations quantized per row per weight group; exact int dots
+        xe, we = quant_groups(x, group), w32.astype(np.float64)
+    elif "native" in name:  # stored values decoded to f32 in registers, f32 activations
         xe, we = x64, w32.astype(np.float64)
     elif "fp8-dot" in name:
         xq, sx = quant_rows(x, 448, ml_dtypes.float8_e4m3fn)
@@ -76,7 +89,7 @@ def running(path, rows: int, qw):
 def check(path, y, x, qw, w32):
     y = np.asarray(y, np.float64)
     path = running(path, x.shape[0], qw)
-    ref, bound = reference(path.name, x, w32)
+    ref, bound = reference(path.name, x, w32, getattr(qw.fmt, "group", 0))
     if ref is None:  # W8A8: int32 products are exact; only the two scale multiplies round
         xq, sx = bound
         acc = xq.astype(np.int64) @ np.asarray(qw.values).astype(np.int64)
@@ -90,7 +103,8 @@ def test_every_format_family_has_a_path_on_every_backend():
     for fmt in FORMATS + [None]:
         for backend in BACKENDS:
             assert path_for(fmt, backend).name
-    assert describe("int8", "cpu").startswith("int8 -> cpu:w8a8 (")
+    assert describe("int8", "cpu").startswith(("int8 -> cpu:w8a8 (", "int8 -> cpu:native-w8a8 (",
+                                               "int8 -> cpu:native-w8a16 ("))
     assert path_for("int4:g32", "gpu").name == "gpu:pallas-int4"
     assert path_for("fp8_e4m3", "gpu").name == "gpu:fp8-dot"
     assert {b for _, b in PATHS} == {"cpu", "gpu", "interpret"}

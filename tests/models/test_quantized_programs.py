@@ -34,6 +34,10 @@ FAMILIES = {
 }
 # max |log-prob difference| allowed, per weight format (the path's rounding, measured x ~3)
 BOUNDS = {"bf16": 0.03, "int8": 0.12, "fp8_e4m3": 0.04, "int4:g32": 0.04}
+# ... where the path that runs quantizes the activations more than the format's XLA path does:
+# int4 on the native W4A8 kernel (activations to int8 per weight group of 32; measured up to
+# 0.050 on these std-0.08 weights, x ~1.6), still finer than int8's per-row W8A8
+PATH_BOUNDS = {"native-w4a8": 0.08}
 PREFILL_FORMATS = ("bf16", "int8", "fp8_e4m3")
 
 
@@ -65,8 +69,13 @@ def decode_logprobs(llm, tokens, p=9):
     return torch.log_softmax(torch.tensor(np.stack(out)), -1).numpy()
 
 
-def check_against_reference(got, want, fmt, label):
-    bound = BOUNDS[fmt]
+def bound_for(fmt, paths: str) -> float:
+    """The bound of ``fmt`` on the paths a phase runs (``runner.weight_paths()[phase]``)."""
+    return max([BOUNDS[fmt]] + [b for name, b in PATH_BOUNDS.items() if name in paths])
+
+
+def check_against_reference(got, want, fmt, label, bound=None):
+    bound = bound or BOUNDS[fmt]
     diff = np.abs(got - want).max(-1)
     top2 = np.sort(want, -1)[:, -2:]
     decided = top2[:, 1] - top2[:, 0] > 2 * bound
@@ -84,8 +93,9 @@ def test_decode_program_in_format(ckpt, fmt):
     ref = reference_for(path, q, "decode")
     tokens = PROMPT + list(ref.generate([PROMPT], max_tokens=8, ignore_eos=True)[0])  # the reference's greedy run
     got = decode_logprobs(q, tokens)
-    check_against_reference(got, decode_logprobs(ref, tokens), fmt,
-                            f"{name} decode {fmt} [{q.runner.weight_paths()['decode']}]")
+    paths = q.runner.weight_paths()["decode"]
+    check_against_reference(got, decode_logprobs(ref, tokens), fmt, f"{name} decode {fmt} [{paths}]",
+                            bound_for(fmt, paths))
     plain = np.abs(got - decode_logprobs(LLM(path, **KW), tokens)).max()
     print(f"  (vs the unquantized model: {plain:.2e}: the format's own error, not bounded here)")
 
