@@ -26,12 +26,17 @@ from jaxserve.quant.qweight import QuantizedWeight
 # Formats with a native path and the most rows it serves (measured, see the module docstring);
 # JAXSERVE_NATIVE_ROWS="int8=8,bf16=1" overrides entries (for measuring; 0 = XLA's path).
 MAX_ROWS = {"int4": 8, "fp8": 8, "fp8_block": 8, "bf16": 4, "int8": 4}
+# Without AVX512-VNNI int8's native kernel is the float W8A16 one: level with XLA's W8A8 dot at
+# 1 row and 0.6x of it at 4 (JAXSERVE_NATIVE_ISA=avx512 on the VNNI machine), so XLA's stays.
+NO_VNNI_ROWS = {"int8": 0}
 ROWS_ENV = "JAXSERVE_NATIVE_ROWS"
 
 
 def max_rows() -> dict[str, int]:
-    """MAX_ROWS with the JAXSERVE_NATIVE_ROWS overrides."""
+    """MAX_ROWS for the kernels' instruction set, with the JAXSERVE_NATIVE_ROWS overrides."""
     out = dict(MAX_ROWS)
+    if native.available() and native.status().isa != "avx512-vnni":
+        out.update(NO_VNNI_ROWS)
     for part in filter(None, (p.strip() for p in os.environ.get(ROWS_ENV, "").split(","))):
         fam, _, rows = part.partition("=")
         if fam not in KERNELS or not rows.strip().isdigit():
