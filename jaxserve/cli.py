@@ -9,7 +9,7 @@ import argparse
 import sys
 import time
 
-from jaxserve.cli_args import ModelOptions, add_engine_args, engine_kwargs, ensure_cpu_devices
+from jaxserve.cli_args import ModelOptions, add_engine_args, engine_kwargs, ensure_cpu_devices, with_default_config
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -53,7 +53,7 @@ def run_generate(args) -> int:
 
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, kv_format=args.kv_format, num_devices=args.num_devices,
-              **with_program_cache(engine_kwargs(args)))
+              **with_program_cache(with_default_config(args, engine_kwargs(args))))
     for phase, path in llm.runner.weight_paths().items():
         print(f"[{phase} matmuls] {path}", file=sys.stderr)
     mem = llm.memory_report()

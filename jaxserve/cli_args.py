@@ -11,7 +11,12 @@ import os
 # The engine fields the format options cover (experiments sweep some of them).
 FORMAT_FIELDS = ("prefill_weights", "decode_weights", "prefill_from_decode_weights", "matmul_backend",
                  "kv_cache_memory", "memory_fraction", "attention_backend")
-PRESET_HELP = "a named configuration: article (fp8 KV, fp8 prefill, int4 decode) | cpu (bf16 prefill, int8 decode)"
+PRESET_HELP = ("a named configuration: article (fp8 KV, fp8 prefill, int4 decode) | cpu (bf16 prefill, int8 decode, "
+               "bf16 tied head; the default for the embedded default model on CPU) | as-loaded (the weights as loaded)")
+# Flags that choose a weight representation: with none of them (nor --model, --kv-format,
+# --dtype) the embedded default model on CPU runs the "cpu" preset (llm.PRESETS, "default").
+WEIGHT_CHOICES = ("prefill_weights", "decode_weights", "prefill_from_decode_weights", "quantize_tied_head",
+                  "tied_head_weights", "preset")
 KV_FORMAT_HELP = "bf16 | fp8_e4m3 | float32 (default: what a converted checkpoint or --preset holds, else bf16)"
 
 
@@ -88,6 +93,18 @@ def engine_kwargs(args, fields: tuple[str, ...] | None = None) -> dict:
     names = [f.name for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli", True)] + ["preset"]
     return {n: getattr(args, n) for n in names
             if (fields is None or n in fields) and getattr(args, n, None) is not None}
+
+
+def with_default_config(args, kwargs: dict) -> dict:
+    """``kwargs`` with ``preset="default"`` (the "cpu" preset on a CPU backend, the weights as
+    loaded elsewhere) where nothing chose a representation: the
+    embedded default model (no --model), no weight, preset, KV format or dtype flag, on CPU. The
+    preset is measured on that model only (decode KL 0.020 nats/token against float32 on the
+    quality experiment, BENCHMARKS.md issue 28); another checkpoint stays as loaded."""
+    if (getattr(args, "model", None) is not None or getattr(args, "kv_format", None) is not None
+            or getattr(args, "dtype", "auto") not in (None, "auto") or any(k in kwargs for k in WEIGHT_CHOICES)):
+        return kwargs
+    return {**kwargs, "preset": "default"}  # LLM resolves it once its backend is known
 
 
 def engine_flags(args) -> list[str]:

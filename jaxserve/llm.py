@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -25,8 +26,12 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 PRESETS = {
     # The article's deployment (GPU): FP8 KV, FP8 block-scaled prefill, INT4 group-32 decode.
     "article": dict(kv_format="fp8_e4m3", prefill_weights="fp8:block128", decode_weights="int4:g32"),
-    # What measures fastest on CPU (BENCHMARKS.md, issue 13): bf16 prefill dots, int8 W8A8 decode.
-    "cpu": dict(kv_format="bf16", prefill_weights="bf16", decode_weights="int8"),
+    # What measures fastest on CPU at a decode KL under 0.03 nats/token (BENCHMARKS.md, issues 13
+    # and 28): bf16 prefill dots, int8 W8A8 decode, a tied head stored once in bf16. `jaxserve
+    # generate` / `serve` use it for the embedded default model on CPU when no format is asked.
+    "cpu": dict(kv_format="bf16", prefill_weights="bf16", decode_weights="int8", tied_head_weights="bf16"),
+    # The weights as loaded (bf16 KV): what LLM() does without a preset.
+    "as-loaded": dict(kv_format="bf16"),
 }
 
 
@@ -51,7 +56,8 @@ class LLM:
     kv_format: "bf16" (default) | "fp8_e4m3" (| "float32", the exact reference format).
     num_devices: shard over this many devices (tensor/expert parallel).
     num_pages / page_size: the KV page pool (page 0 is reserved as the null page).
-    preset: a named configuration from PRESETS ("article", "cpu"); explicit arguments win.
+    preset: a named configuration from PRESETS ("article", "cpu", "as-loaded"), or "default" ("cpu"
+        on a CPU backend, else "as-loaded"); explicit arguments win.
     profile: a StartupProfile the load's stages are added to (``llm.profile``; a new one if None).
     Further keyword arguments are EngineConfig fields (prefill_weights, decode_weights,
     kv_cache_memory ("48GiB": the KV page count from a byte budget), memory_fraction,
@@ -71,6 +77,8 @@ class LLM:
         profile: StartupProfile | None = None,
         **engine_kwargs,
     ):
+        if preset == "default":  # the CLI's choice for the embedded default model (cli_args.with_default_config)
+            preset = "cpu" if jax.default_backend() == "cpu" else "as-loaded"
         if preset is not None:
             if preset not in PRESETS:
                 raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -80,8 +88,6 @@ class LLM:
             # A None argument is one not given (a CLI flag left unset): the preset's value stays.
             engine_kwargs = {**chosen, **{k: v for k, v in engine_kwargs.items() if v is not None or k not in chosen}}
         if dtype == "auto":
-            import jax
-
             dtype = "bfloat16" if jax.default_backend() in ("gpu", "cuda", "rocm") else "float32"
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES) + ['auto']}, got {dtype!r}")

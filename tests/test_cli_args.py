@@ -74,3 +74,33 @@ def test_model_flags_come_from_one_declaration_with_each_commands_defaults(cmd):
         if not auto:
             with pytest.raises(SystemExit):
                 build_parser().parse_args([*cmd, "--dtype", "auto"])
+
+
+@pytest.mark.parametrize("cmd", [["generate", "x"], ["serve"]])
+def test_the_default_model_runs_the_cpu_preset_only_when_nothing_is_asked(cmd):
+    """generate / serve with no --model and no weight, preset, KV or dtype flag: preset "default"
+    (the "cpu" preset on a CPU backend); any of those flags, or another checkpoint: as asked."""
+    from jaxserve.cli_args import with_default_config
+
+    def chosen(*flags):
+        args = build_parser().parse_args(cmd + list(flags))
+        return with_default_config(args, engine_kwargs(args)).get("preset")
+
+    assert chosen() == "default"
+    assert chosen("--max-num-seqs", "4") == "default"  # not a representation
+    for flags in (["--model", "some/checkpoint"], ["--decode-weights", "bf16"], ["--kv-format", "float32"],
+                  ["--dtype", "float32"], ["--preset", "as-loaded"], ["--tied-head-weights", "bf16"]):
+        assert chosen(*flags) in (None, "as-loaded"), flags
+
+
+def test_default_preset_resolves_to_the_cpu_preset_on_cpu(tmp_path):
+    from hf_models import build_llama
+    from jaxserve import LLM
+    from jaxserve.llm import PRESETS
+
+    build_llama(tmp_path, num_hidden_layers=1, seed=1)
+    llm = LLM(str(tmp_path), preset="default", num_pages=8, page_size=8)
+    c, cpu = llm.engine.config, PRESETS["cpu"]
+    assert (c.prefill_weights, c.decode_weights, c.tied_head_weights) == (
+        cpu["prefill_weights"], cpu["decode_weights"], cpu["tied_head_weights"])
+    assert LLM(str(tmp_path), preset="as-loaded", num_pages=8, page_size=8).engine.config.decode_weights is None

@@ -104,7 +104,7 @@ def test_cli_weight_formats_and_matmul_path(capsys):
     from jaxserve.quant.linear import path_for  # cpu:bf16-dot, or its native kernel where that runs
 
     assert f"[prefill matmuls] bf16 -> {path_for('bf16', 'cpu').name}" in err
-    assert "[decode matmuls] int8 -> cpu:w8a8" in err
+    assert f"[decode matmuls] int8 -> {path_for('int8', 'cpu').name}" in err
     args = ["generate", "--model", "checkpoints/tiny-kimi-k2", "--prompt-ids", "5,6", "--max-tokens", "2", "--no-warmup",
             "--decode-weights", "int4:g32", "--prefill-from-decode-weights", "--kv-cache-memory", "1MiB"]
     assert main(args) == 0

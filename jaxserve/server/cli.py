@@ -94,10 +94,10 @@ def _run(args) -> tuple[int, bool]:
     profile = StartupProfile(args.started)
     profile.add("imports (jax, jaxserve)", time.perf_counter() - t0)
     if group is None:
-        kwargs = with_program_cache(engine_kwargs(args))
+        kwargs = with_program_cache(with_default_config(args, engine_kwargs(args)))
     else:  # a multi-process replica keeps the jit path (no program cache): jax's own cache instead
         enable_compile_cache()
-        kwargs = {**engine_kwargs(args), "program_cache": "off"}
+        kwargs = {**with_default_config(args, engine_kwargs(args)), "program_cache": "off"}
     num_devices = replica_group.join(group, args.num_devices) if group is not None else args.num_devices or 1
     kv_format = args.kv_format or {"prefill": "bf16", "decode": "fp8_e4m3"}.get(args.role)
     llm = LLM(args.model, dtype=args.dtype, kv_format=kv_format, num_devices=num_devices,

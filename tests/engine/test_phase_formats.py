@@ -75,7 +75,7 @@ def test_article_preset(tiny_ckpt):
     assert llm.runner.weight_formats == {"prefill": "fp8:block128", "decode": "int4:g32"}
     cpu = LLM(tiny_ckpt, preset="cpu", num_pages=32, page_size=8)
     assert cpu.runner.weight_formats == {"prefill": "bf16", "decode": "int8"}
-    assert "cpu:w8a8" in cpu.runner.weight_paths()["decode"]
+    assert "w8a8" in cpu.runner.weight_paths()["decode"]  # cpu:w8a8, or its native kernel where that runs
     with pytest.raises(ValueError, match="unknown preset"):
         LLM(tiny_ckpt, preset="nope")
 
