@@ -52,11 +52,27 @@ def placed_rows(process_id: int):
     return np.array([r[0] for r in src.reads]), ok
 
 
+def lead_or_follow(group, channel, llm, lead):
+    """Process 0: mirror ``llm``'s runner over the step channel (opened on first use), run
+    ``lead(llm)`` and stop the followers -> (channel, its results); every other process: make the
+    mirrored calls until that stop -> (channel, {})."""
+    from jaxserve.multihost.channel import StepFollower, StepLeader
+    from jaxserve.multihost.follower import follow
+
+    if group.is_leader:
+        channel = channel or StepLeader(group, "127.0.0.1", accept_timeout_s=60)
+        llm.runner.set_mirror(channel.send)
+        results = lead(llm)
+        channel.send("stop")
+        return channel, results
+    channel = channel or StepFollower(group, connect_timeout_s=60)
+    follow(llm.runner, channel)
+    return channel, {}
+
+
 def main(model: str, coordinator: str, step_port: str, process_id: str, out: str) -> int:
     import numpy as np
 
-    from jaxserve.multihost.channel import StepFollower, StepLeader
-    from jaxserve.multihost.follower import follow
     from jaxserve.multihost.launch import group_config, initialize
 
     group = group_config(coordinator, 2, int(process_id), step_port=int(step_port), peer_timeout_s=20)
@@ -68,14 +84,8 @@ def main(model: str, coordinator: str, step_port: str, process_id: str, out: str
     channel, results = None, {}
     for fmt in FORMATS:
         llm = LLM(model, kv_format=fmt, num_devices=8, **ENGINE)  # every process: its own shards
-        if group.is_leader:
-            channel = channel or StepLeader(group, "127.0.0.1", accept_timeout_s=60)
-            llm.runner.set_mirror(channel.send)
-            results[fmt] = llm.logprobs(PROMPT)
-            channel.send("stop")
-        else:
-            channel = channel or StepFollower(group, connect_timeout_s=60)
-            follow(llm.runner, channel)
+        channel, got = lead_or_follow(group, channel, llm, lambda llm: {fmt: llm.logprobs(PROMPT)})
+        results.update(got)
     if group.is_leader:
         np.savez(out, **results)
     channel.close()
@@ -146,8 +156,6 @@ SPEC_TOKENS = 12
 def speculative(model: str, coordinator: str, step_port: str, process_id: str, out: str) -> int:
     import numpy as np
 
-    from jaxserve.multihost.channel import StepFollower, StepLeader
-    from jaxserve.multihost.follower import follow
     from jaxserve.multihost.launch import group_config, initialize
 
     group = group_config(coordinator, 2, int(process_id), step_port=int(step_port), peer_timeout_s=20)
@@ -158,17 +166,13 @@ def speculative(model: str, coordinator: str, step_port: str, process_id: str, o
     for method in ("ngram", "mtp"):
         llm = LLM(model, kv_format="bf16", num_devices=8, speculative=method, num_speculative_tokens=2,
                   speculative_min_acceptance=0.0, **ENGINE)
-        if group.is_leader:
-            channel = channel or StepLeader(group, "127.0.0.1", accept_timeout_s=60)
-            llm.runner.set_mirror(channel.send)
-            got = llm.generate([SPEC_PROMPT], max_tokens=SPEC_TOKENS, ignore_eos=True)[0]
-            channel.send("stop")
-            spec = llm.engine.spec
-            results[method] = np.array(list(got))
-            results[f"{method}_counts"] = np.array([spec.drafted, spec.accepted, spec.verify_steps])
-        else:
-            channel = channel or StepFollower(group, connect_timeout_s=60)
-            follow(llm.runner, channel)
+        def lead(llm, method=method):
+            got, spec = llm.generate([SPEC_PROMPT], max_tokens=SPEC_TOKENS, ignore_eos=True)[0], llm.engine.spec
+            return {method: np.array(list(got)),
+                    f"{method}_counts": np.array([spec.drafted, spec.accepted, spec.verify_steps])}
+
+        channel, got = lead_or_follow(group, channel, llm, lead)
+        results.update(got)
     if group.is_leader:
         np.savez(out, **results)
     channel.close()
