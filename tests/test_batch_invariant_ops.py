@@ -39,7 +39,11 @@ def test_linear_rows_do_not_depend_on_the_batch(fmt):
             got.append(np.asarray(f(jnp.asarray(a)))[m // 2])
     for m, g in zip(ROWS, got):
         assert np.array_equal(g, got[0]), f"row result changed with {m} rows ({fmt})"
-    whole = np.asarray(jax.jit(lambda a: linear(a, w))(jnp.asarray(probe[None])))[0]
+    # The tiles compute what one untiled call of a tile's row count does (the same matmul path:
+    # a native kernel serves small row counts only, jaxserve.quant.native_paths).
+    tile = np.zeros((8, K), np.float32)
+    tile[0] = probe
+    whole = np.asarray(jax.jit(lambda a: linear(a, w))(jnp.asarray(tile)))[0]
     np.testing.assert_allclose(got[0], whole, rtol=1e-5, atol=1e-5 * np.abs(whole).max())
 
 

@@ -66,7 +66,7 @@ def run_serve(args) -> int:
 
 def _run(args) -> tuple[int, bool]:
     from jaxserve.checkpoint.gguf import remove_stale_conversions
-    from jaxserve.cli_args import engine_kwargs, ensure_cpu_devices
+    from jaxserve.cli_args import engine_kwargs, ensure_cpu_devices, with_default_config
     from jaxserve.server import auth, convert
 
     # Everything an operator can get wrong is checked before the (slow) model load.
