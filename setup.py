@@ -30,7 +30,7 @@ class BuildNative(build_ext):
 setup(
     ext_modules=[Extension(
         "jaxserve.native._kernels",
-        sources=["jaxserve/native/csrc/matmul.cc"],
+        sources=["jaxserve/native/csrc/matmul.cc", "jaxserve/native/csrc/greedy.cc"],
         depends=["jaxserve/native/csrc/kernels.inc", "jaxserve/native/csrc/bf16.inc", "jaxserve/native/csrc/vnni.inc"],
         language="c++",
         extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes", "-Wno-return-type", "-Wno-psabi"],

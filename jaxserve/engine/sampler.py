@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve import native
 from jaxserve.executor.buckets import bucket
 from jaxserve.executor.programs import ProgramSpec
 
@@ -55,6 +56,11 @@ def token_logprob(logits, tokens):
     shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     lse = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
     return jnp.take_along_axis(shifted, tokens[:, None], axis=-1)[:, 0] - lse
+
+
+def native_greedy() -> bool:
+    """Whether all-greedy batches take the native kernel (loaded, and the programs run on CPU)."""
+    return jax.default_backend() == "cpu" and native.available()
 
 
 def row_noise(keys, v: int):
@@ -108,7 +114,17 @@ def sample_rows(
     a time (batch-invariant log-probs: a [B, V] reduction's last bits depend on B).
 
     -> tokens int32 [B], logprob f32 [B], top_ids int32 [B, n], top_logprobs f32 [B, n].
+
+    An all-greedy batch without penalties or top log-probs runs the native kernel
+    (``jaxserve.native.greedy_rows``: the same first argmax, the logprob within float rounding;
+    one row at a time, so batch-invariant too) where it is available on a CPU backend.
     """
+    if all_greedy and not penalties and not num_logprobs and native_greedy():
+        if mask is None:
+            mask = jnp.full((rows.shape[0], mask_words(logits.shape[-1])), -1, jnp.int32)
+        tokens, logprob = native.greedy_rows(logits, rows, mask)
+        empty = jnp.zeros((rows.shape[0], 0), jnp.float32)
+        return tokens, logprob, empty.astype(jnp.int32), empty
     batch = functools.partial(_sample_batch, all_greedy=all_greedy, penalties=penalties,
                               num_logprobs=num_logprobs, num_candidates=num_candidates)
     args = (logits[rows], temperature, top_k, top_p, min_p, seeds, steps, mask, counts, seen, repetition, presence,

@@ -22,6 +22,10 @@ Entry points (x f32 [M, K]; all return f32 [M, N] except ``w8a8_s32``):
 - ``fp8_w8a16(x, w, scales, bk, bn)``: e4m3fn weights (or their uint8 bits) with a scale per
   (bk x bn) block;
 - ``bf16_w16a32(x, w)``: bf16 weights widened exactly to f32.
+
+And one that is not a matmul (``csrc/greedy.cc``):
+- ``greedy_rows(logits, rows, mask)``: each sampled row's first argmax (of the masked row) and
+  the raw log-probability of that token, for the sampler's all-greedy batches.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 TARGETS = ("jaxserve_int4_w4a16", "jaxserve_int8_w8a16", "jaxserve_fp8_w8a16", "jaxserve_bf16_w16a32",
-           "jaxserve_w8a8_s32")
+           "jaxserve_w8a8_s32", "jaxserve_greedy_rows")
 ENV = "JAXSERVE_NATIVE"  # "0": do not use the native kernels
 # JAXSERVE_NATIVE_ISA=avx2 keeps AVX-512 machines on the AVX2 copy; =avx512 off the VNNI kernels
 ISA_NAMES = {3: "avx512-vnni", 2: "avx512", 1: "avx2"}
@@ -133,3 +137,15 @@ def fp8_w8a16(x, bits, scales, bk: int, bn: int):
 def bf16_w16a32(x, w):
     """x f32 [M, K], w bf16 [K, N] -> f32 [M, N]."""
     return jax.ffi.ffi_call("jaxserve_bf16_w16a32", _f32(x.shape[0], w.shape[1]))(x.astype(jnp.float32), w)
+
+
+def greedy_rows(logits, rows, mask):
+    """logits f32 [L, V], rows int32 [B], mask int32 [B, ceil(V/32)] (packed allowed tokens, all
+    ones = none) -> (token int32 [B]: first argmax of the masked row, logprob f32 [B]: of the raw
+    row's log-softmax)."""
+    if not available():
+        raise RuntimeError(f"native CPU kernels unavailable: {status().reason}")
+    b = rows.shape[0]
+    out = (jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.float32))
+    return jax.ffi.ffi_call("jaxserve_greedy_rows", out)(
+        logits.astype(jnp.float32), rows.astype(jnp.int32), mask.astype(jnp.int32))

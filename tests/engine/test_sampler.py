@@ -1,9 +1,11 @@
 """The sampler against an independent numpy statement of top-k / top-p / min-p, and its two
 paths (top candidates vs the full sort) against each other."""
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.engine.sampler import sample_rows
+from jaxserve.engine.sampler import sample_rows, token_logprob
 
 V = 64
 
@@ -114,8 +116,9 @@ def test_first_argmax_is_argmax_ties_nan_and_masked_rows():
 
 
 def test_greedy_logprob_is_the_raw_log_softmax():
-    """A greedy row's token is the argmax and its logprob the float64 log-softmax entry; with
-    top logprobs asked for, the same logprob (the full log-softmax path) to the last bit."""
+    """A greedy row's token is the argmax and its logprob the float64 log-softmax entry, with and
+    without top logprobs asked for (then the full log-softmax path: its top entry is the token's
+    logprob to the last bit). Without top logprobs the batch may run the native greedy kernel."""
     rng = np.random.RandomState(2)
     logits = (rng.randn(4, 5000) * 3).astype(np.float32)
     b = logits.shape[0]
@@ -131,5 +134,15 @@ def test_greedy_logprob_is_the_raw_log_softmax():
                                                              num_logprobs=2))
     np.testing.assert_array_equal(tok2, tok)
     np.testing.assert_array_equal(top_ids[:, 0], tok)
-    np.testing.assert_array_equal(lp2, lp)
-    np.testing.assert_array_equal(top_lp[:, 0], lp)
+    np.testing.assert_allclose(lp2, ref[np.arange(b), tok], rtol=0, atol=2e-5)
+    np.testing.assert_array_equal(top_lp[:, 0], lp2)
+
+
+def test_token_logprob_is_the_log_softmax_entry_to_the_last_bit():
+    """XLA's formulation without the [B, V] log-softmax gives log_softmax's bits."""
+    rng = np.random.RandomState(3)
+    logits = jnp.asarray((rng.randn(5, 3001) * 3).astype(np.float32))
+    tok = jnp.asarray(rng.randint(0, 3001, 5).astype(np.int32))
+    got = jax.jit(token_logprob)(logits, tok)
+    full = jax.jit(lambda x, t: jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), t[:, None], axis=-1)[:, 0])
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(full(logits, tok)))
