@@ -4,7 +4,8 @@
   call lose decodes plainly, a batch with high acceptance verifies (expected tokens against a
   numpy reference);
 - the costs from step records (a program's first call not counted), measuring a bucket's
-  verify and decode calls first, and the occasional verify of a bucket it keeps declining;
+  verify and decode calls first, and the occasional verify of a bucket it keeps declining near
+  break-even (never far from it);
 - the decoder: "always" keeps every draft whatever the costs; "auto" drops them where the gate
   declines and scores them as a shadow against the tokens decoding emits;
 - on a tiny model, "auto" gives the greedy tokens of speculation off, verifying or not.
@@ -86,7 +87,9 @@ def test_gate_measures_then_decides_then_explores():
     record(g.costs, "decode", 8, 0.010)
     assert g.costs.ratio(8) == pytest.approx(3.4)
     assert g.decide([(high(), 4)] * 8, 8)
-    decisions = [g.decide(rows, 8) for _ in range(gate_mod.FIRST_EXPLORE * 3)]
+    assert not any(g.decide(rows, 8) for _ in range(gate_mod.FIRST_EXPLORE * 3))  # far from break-even: never
+    near = [(Acceptance(750.0, 1000.0), 4)] * 8  # a = 0.75: 8 x 3.05 tokens, 90% of the 27.2 the call must emit
+    decisions = [g.decide(near, 8) for _ in range(gate_mod.FIRST_EXPLORE * 3)]
     explored = [i for i, d in enumerate(decisions) if d]  # a verify after 32 declines, then after 64
     assert explored == [gate_mod.FIRST_EXPLORE - 1, 3 * gate_mod.FIRST_EXPLORE - 1]
     record(g.costs, "verify", 1, 0.020)

@@ -13,9 +13,11 @@ start from the engine's acceptance over all requests.
 The costs are the engine's own step records: per (phase, padded rows) the median of the last
 few calls' wall times, the first call of each skipped (it may include compiling the program). A
 bucket whose verify call is not measured yet verifies (to measure it); then one whose decode
-call is not measured decodes plainly. A bucket the gate keeps declining still verifies once
-after ``FIRST_EXPLORE`` declined steps (doubling up to ``MAX_EXPLORE``), so a stale cost or a
-proposer whose acceptance is only seen by verifying (MTP) is measured again.
+call is not measured decodes plainly. A bucket the gate keeps declining near break-even (the
+expected tokens at least ``EXPLORE_MARGIN`` of what the call must emit) still verifies once after
+``FIRST_EXPLORE`` declined steps (doubling up to ``MAX_EXPLORE``), so a cost measured under a
+passing load, or a proposer whose acceptance is only seen by verifying (MTP), is measured again;
+far from break-even it never does (such a call would cost several decode calls for little).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ PRIOR_WEIGHT = 2.0  # the engine's acceptance counts as this many tried drafts o
 ROW_DECAY, ENGINE_DECAY = 0.8, 0.98  # per observation: a request's recent calls, the engine's longer history
 SAMPLES = 5
 FIRST_EXPLORE, MAX_EXPLORE = 32, 1024
+EXPLORE_MARGIN = 0.75
 
 
 def expected_tokens(a: float, drafts: int) -> float:
@@ -114,9 +117,12 @@ class BatchGate:
         cost = self.costs.ratio(batch)
         if cost is None:  # the plain decode call is not measured at this bucket yet
             return False
-        if verify_pays([expected_tokens(self.row_rate(r), d) for r, d in rows], cost):
+        expected = [expected_tokens(self.row_rate(r), d) for r, d in rows]
+        if verify_pays(expected, cost):
             self.declined[batch] = 0
             return True
+        if not verify_pays(expected, EXPLORE_MARGIN * cost):
+            return False
         self.declined[batch] = self.declined.get(batch, 0) + 1
         if self.declined[batch] >= self.explore.get(batch, FIRST_EXPLORE):
             self.explore[batch] = min(2 * self.explore.get(batch, FIRST_EXPLORE), MAX_EXPLORE)
