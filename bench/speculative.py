@@ -70,6 +70,13 @@ def main():
                    tied_head_weights=args.tied_head_weights, kv_format=args.kv_format)
     llm = LLM(max_num_seqs=8, num_pages=512, speculative="ngram", num_speculative_tokens=args.k, **formats)
     spec = llm.engine.spec
+    calls = {"decode": 0, "verify": 0}  # program calls during the timed "on" runs: what the gate chose
+
+    def count(rec):
+        if rec.phase in calls and llm.engine.spec is not None:
+            calls[rec.phase] += 1
+
+    llm.engine.add_step_observer(count)
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     rng = np.random.default_rng(0)
     rows = []
@@ -81,6 +88,7 @@ def main():
                 llm.engine.spec = None if mode == "off" else spec
                 llm.generate(batch, sp)
             d0, a0, s0 = spec.drafted, spec.accepted, spec.verify_steps
+            calls.update(decode=0, verify=0)
             for _ in range(args.rounds):
                 for mode in ("off", "on"):
                     llm.engine.spec = None if mode == "off" else spec
@@ -90,7 +98,8 @@ def main():
             row = dict(workload=kind, requests=n, off_tok_s=round(off, 2), on_tok_s=round(on, 2),
                        ratio=round(on / off, 3), acceptance=round(accepted / drafted, 3) if drafted else None,
                        mean_accepted_length=round(1 + accepted / steps, 2) if steps else None,
-                       draft_tokens=drafted, verify_cost_in_decode_steps=round(spec.cost_ratio(n), 2), off_runs=[round(x, 2) for x in res["off"]],
+                       draft_tokens=drafted, verify_cost_in_decode_steps=round(spec.cost_ratio(n), 2),
+                       on_calls=dict(calls), off_runs=[round(x, 2) for x in res["off"]],
                        on_runs=[round(x, 2) for x in res["on"]])
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -59,7 +59,7 @@ def main():
         plain[n] = calls(base, batch, sp)[("decode", n)]
     rows = []
     for k in map(int, args.ks.split(",")):
-        llm = LLM(KIMI, speculative="mtp", num_speculative_tokens=k, speculative_min_acceptance=0.0, **KW)
+        llm = LLM(KIMI, speculative="mtp", num_speculative_tokens=k, speculative_policy="always", **KW)
         spec = llm.engine.spec
         for n, batch in batches.items():
             llm.generate(batch, sp)  # untimed: builds every program of this shape

@@ -129,7 +129,7 @@ def test_a_speculating_decode_worker_continues_a_handoff_as_one_engine(tiny_ckpt
     prompt = [3, 17, 42, 9, 88, 3, 17, 42, 9, 88, 3, 17]  # repeats: the proposer finds matches at once
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     want = list(ref.generate([prompt], params)[0])
-    spec = LLM(tiny_ckpt, kv_format="bf16", role="decode", speculative="ngram", num_speculative_tokens=3,
+    spec = LLM(tiny_ckpt, kv_format="bf16", role="decode", speculative="ngram", num_speculative_tokens=3, speculative_policy="always",
                **ENGINE).engine
     p.add_request(prompt, params, "p-spec", export_kv="bf16")
     out = None

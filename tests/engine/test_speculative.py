@@ -18,7 +18,7 @@ from jaxserve.kv.page_tracker import NOT_OWNED, STALE_GENERATION, PageTracker
 
 KIMI = "checkpoints/tiny-kimi-k2"
 KW = dict(num_pages=96, page_size=4, max_num_seqs=4, max_model_len=128, dtype="float32")
-SPEC = dict(speculative="ngram", num_speculative_tokens=3)
+SPEC = dict(speculative="ngram", num_speculative_tokens=3, speculative_policy="always")  # speculation runs: nothing passes vacuously
 
 
 def repeating_prompts(vocab: int):

@@ -28,7 +28,7 @@ def llm(tmp_path_factory):
     build_llama(path, vocab_size=49152, seed=3, bos_token_id=1, eos_token_id=2)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / f, path / f)
-    return LLM(str(path), speculative="ngram", num_speculative_tokens=3, num_pages=64, page_size=8, max_num_seqs=2,
+    return LLM(str(path), speculative="ngram", num_speculative_tokens=3, speculative_policy="always", num_pages=64, page_size=8, max_num_seqs=2,
                max_model_len=160, dtype="float32")
 
 

@@ -165,7 +165,7 @@ def speculative(model: str, coordinator: str, step_port: str, process_id: str, o
     channel, results = None, {}
     for method in ("ngram", "mtp"):
         llm = LLM(model, kv_format="bf16", num_devices=8, speculative=method, num_speculative_tokens=2,
-                  speculative_min_acceptance=0.0, **ENGINE)
+                  speculative_policy="always", **ENGINE)
         def lead(llm, method=method):
             got, spec = llm.generate([SPEC_PROMPT], max_tokens=SPEC_TOKENS, ignore_eos=True)[0], llm.engine.spec
             return {method: np.array(list(got)),

@@ -10,12 +10,16 @@ drafts only where free pages allow (speculation never preempts); after the verif
 pages past what the request's tokens need are released (``BlockManager.truncate``: the
 generation bump makes any page table that still maps one fail the integrity check).
 
-Auto-off: every verify call a request drafts in adds its drafted and accepted counts to a
-window; once the window holds ``WINDOW`` drafted tokens, its speculation pauses for ``backoff``
-generated tokens (doubling each time, up to ``MAX_BACKOFF``) when it did not pay: an acceptance
-rate below ``min_acceptance``, or fewer tokens per verify call (1 + accepted / calls) than a
-verify call costs in decode steps (``cost_ratio``: the two programs' measured wall times at the
-batch's bucket, from the engine's step records). A window that paid resets the backoff.
+Policy ``always``: every batch with a draft runs as a verify call (tests that need speculation
+to run). Policy ``auto``: the batch-level gate (``gate.BatchGate``) decides per step, before the
+scheduler maps draft slots, whether the decode batch verifies, from each row's recent acceptance
+and the verify call's measured cost in decode calls at the batch's bucket. Where it decodes
+plainly, a row's n-gram drafts are kept as a shadow and scored against the tokens decoding then
+emits (what a verify call would have accepted: greedy exactly, sampled with the same
+probability), so a request's acceptance stays measured while it does not verify. Besides, a
+request whose acceptance over ``WINDOW`` drafted tokens stays below ``min_acceptance`` pauses
+drafting for ``backoff`` generated tokens (doubling each time, up to ``MAX_BACKOFF``); a window
+above it resets the backoff.
 """
 from __future__ import annotations
 
@@ -26,10 +30,12 @@ import numpy as np
 
 from jaxserve.executor.buckets import bucket
 from jaxserve.engine.sampler import penalty_inputs
+from jaxserve.engine.speculative.gate import Acceptance, BatchGate
 from jaxserve.engine.speculative.verify import verify_rows
 
 WINDOW = 16
 FIRST_BACKOFF, MAX_BACKOFF = 16, 512
+POLICIES = ("auto", "always")
 
 
 @dataclasses.dataclass
@@ -39,9 +45,10 @@ class SpecStats:
     drafted: int = 0  # draft tokens verified
     accepted: int = 0  # ... of which accepted
     verify_steps: int = 0  # verify calls with at least one draft token of this request
-    window_drafted: int = 0
+    window_drafted: int = 0  # drafts checked (verified or shadowed) since the window began
     window_accepted: int = 0
-    window_steps: int = 0
+    recent: Acceptance = dataclasses.field(default_factory=Acceptance)  # what the batch gate reads
+    shadow: tuple | None = None  # (drafts not verified, output length when drafted): scored as decoding goes on
     paused_until: int = 0  # no drafts until the request has generated this many tokens
     backoff: int = FIRST_BACKOFF
     pauses: int = 0
@@ -59,27 +66,25 @@ class SpecStats:
 
 
 class SpeculativeDecoder:
-    def __init__(self, proposer, vocab_size: int, max_model_len: int, block_manager, min_acceptance: float):
+    def __init__(self, proposer, vocab_size: int, max_model_len: int, block_manager, min_acceptance: float,
+                 policy: str = "auto"):
+        if policy not in POLICIES:
+            raise ValueError(f"speculative_policy must be one of {POLICIES}, got {policy!r}")
         self.proposer, self.k = proposer, proposer.k
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.bm = block_manager
-        self.min_acceptance = min_acceptance
+        self.min_acceptance, self.policy = min_acceptance, policy
         self.drafted = self.accepted = self.verify_steps = 0  # engine totals (metrics)
-        self._seconds: dict[tuple[str, int], float] = {}  # (phase, bucket rows) -> EWMA wall time per call
-        self._bucket = 1  # of the verify call being recorded
+        self.gate = BatchGate()
 
     def observe(self, rec) -> None:
-        """A step observer (``LLMEngine.add_step_observer``): the decode and verify calls' times."""
-        if rec.phase in ("decode", "verify", "draft"):
-            key = (rec.phase, rec.batch)
-            old = self._seconds.get(key)
-            self._seconds[key] = rec.seconds if old is None else 0.8 * old + 0.2 * rec.seconds
+        """A step observer (``LLMEngine.add_step_observer``): the decode, verify and draft calls' times."""
+        self.gate.costs.observe(rec)
 
     def cost_ratio(self, batch: int) -> float:
         """A verify call's wall time (with its draft call, MTP) in decode calls at this bucket
         (1.0 until both are measured)."""
-        v, d = self._seconds.get(("verify", batch)), self._seconds.get(("decode", batch))
-        return (v + self._seconds.get(("draft", batch), 0.0)) / d if v and d else 1.0
+        return self.gate.costs.ratio(batch) or 1.0
 
     def totals(self) -> dict:
         """The engine's figures since start, as ``EngineSnapshot`` fields."""
@@ -92,17 +97,43 @@ class SpeculativeDecoder:
         return self.k + 1
 
     def propose(self, running) -> None:
-        """Set ``draft_ids`` of every running sequence (empty where it drafts nothing this step)."""
+        """Set ``draft_ids`` of every running sequence (empty where it drafts nothing this step,
+        and for every row where the auto policy's gate decodes the batch plainly)."""
+        decoding = []
         for seq in running:
             seq.draft_ids = []
             if seq.in_prefill or not seq.output_ids or seq.finished:
                 continue
             if seq.spec is None:
                 seq.spec = SpecStats()
+            decoding.append(seq)
+            self._score_shadow(seq)
             if len(seq.output_ids) < seq.spec.paused_until:
                 continue
             limit = min(seq.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.total_len - 1)
             seq.draft_ids = self.proposer.propose(seq.all_ids, limit)
+        if self.policy == "always" or not decoding:
+            return
+        if self.gate.decide([(s.spec.recent, len(s.draft_ids)) for s in decoding], bucket(len(decoding))):
+            return
+        for s in decoding:
+            if s.draft_ids and s.spec.shadow is None and not self.proposer.on_device:
+                s.spec.shadow = (s.draft_ids, len(s.output_ids))
+            s.draft_ids = []
+
+    def _score_shadow(self, seq) -> None:
+        """Score a row's shadow drafts once the tokens decoded since show how many a verify call
+        would have accepted (a mismatch, or every draft matched)."""
+        if seq.spec.shadow is None:
+            return
+        drafts, start = seq.spec.shadow
+        out = seq.output_ids[start : start + len(drafts)]
+        m = 0
+        while m < len(out) and out[m] == drafts[m]:
+            m += 1
+        if m < len(out) or m == len(drafts):
+            seq.spec.shadow = None
+            self._observe(seq.spec, len(seq.output_ids), len(drafts), m)
 
     def verifies(self, decode, verify_bucket) -> bool:
         """Whether this decode batch runs as a verify call: some row drafted and its bucket
@@ -122,7 +153,6 @@ class SpeculativeDecoder:
         computed first by ``draft(rows)`` (the draft program call). A row with a grammar
         (``constraints``: the engine's ``Constraints``) has its drafts cut before the first one
         the grammar forbids, and every position's mask applied in the acceptance."""
-        self._bucket = bucket(len(decode))
         if self.proposer.on_device:
             self._device_drafts(decode, draft)
             decode = [s for s in decode if not s.finished]  # a row the draft call's check failed is aborted
@@ -212,18 +242,25 @@ class SpeculativeDecoder:
         st.verify_steps += 1
         self.drafted, self.accepted, self.verify_steps = (self.drafted + drafted, self.accepted + accepted,
                                                           self.verify_steps + 1)
+        self._observe(st, len(seq.output_ids) + accepted + 1, drafted, accepted)
+
+    def _observe(self, st, generated: int, drafted: int, accepted: int) -> None:
+        """One row's drafts checked, by a verify call or as a shadow (auto policy only): the
+        gate's acceptance, and the pause once a window of drafts stays below ``min_acceptance``.
+        generated: the request's output length once the checked tokens are emitted."""
+        if self.policy != "auto":
+            return
+        self.gate.record(st.recent, drafted, accepted)
         st.window_drafted += drafted
         st.window_accepted += accepted
-        st.window_steps += 1
         if st.window_drafted >= WINDOW:
-            per_call = 1 + st.window_accepted / st.window_steps
-            if st.window_accepted < self.min_acceptance * st.window_drafted or per_call < self.cost_ratio(self._bucket):
-                st.paused_until = len(seq.output_ids) + accepted + 1 + st.backoff
+            if st.window_accepted < self.min_acceptance * st.window_drafted:
+                st.paused_until = generated + st.backoff
                 st.backoff = min(2 * st.backoff, MAX_BACKOFF)
                 st.pauses += 1
             else:
                 st.backoff = FIRST_BACKOFF
-            st.window_drafted = st.window_accepted = st.window_steps = 0
+            st.window_drafted = st.window_accepted = 0
 
     def rollback(self, seq) -> list[int]:
         """Release the pages past what the request's tokens need (rejected drafts' slots), in the

@@ -19,15 +19,16 @@ def make_speculative(config, model_cfg, max_model_len: int, block_manager) -> Sp
         proposer = MtpProposer(config.num_speculative_tokens)
     else:
         proposer = NgramProposer(config.num_speculative_tokens, config.ngram_max, config.ngram_min)
-    return SpeculativeDecoder(proposer, vocab_size, max_model_len, block_manager, config.speculative_min_acceptance)
+    return SpeculativeDecoder(proposer, vocab_size, max_model_len, block_manager, config.speculative_min_acceptance,
+                              config.speculative_policy)
 
 
 def describe(config) -> str:
     """The speculative configuration in words (GetModelInfo, the startup log)."""
     if config.speculative is None:
         return "off"
+    when = ("verifies every batch with a draft" if config.speculative_policy == "always" else
+            f"verifies where it pays, pauses below {config.speculative_min_acceptance:g} acceptance")
     if config.speculative == "mtp":
-        return (f"mtp: k={config.num_speculative_tokens} (the checkpoint's MTP block, chained), "
-                f"pauses below {config.speculative_min_acceptance:g} acceptance")
-    return (f"{config.speculative}: k={config.num_speculative_tokens}, n={config.ngram_min}..{config.ngram_max}, "
-            f"pauses below {config.speculative_min_acceptance:g} acceptance")
+        return f"mtp: k={config.num_speculative_tokens} (the checkpoint's MTP block, chained), {when}"
+    return f"{config.speculative}: k={config.num_speculative_tokens}, n={config.ngram_min}..{config.ngram_max}, {when}"
