@@ -41,7 +41,7 @@ TARGETS = ("jaxserve_int4_w4a16", "jaxserve_int8_w8a16", "jaxserve_fp8_w8a16", "
            "jaxserve_w8a8_s32")
 ENV = "JAXSERVE_NATIVE"  # "0": do not use the native kernels
 # JAXSERVE_NATIVE_ISA=avx2 keeps AVX-512 machines on the AVX2 copy; =avx512 off the VNNI kernels
-ISA_NAMES = {3: "avx512-vnni", 2: "avx512", 1: "avx2"}
+ISA_NAMES = {4: "amx", 3: "avx512-vnni", 2: "avx512", 1: "avx2"}
 
 
 @dataclasses.dataclass(frozen=True)
