@@ -206,9 +206,16 @@ int IsaLevel() {
   return level;
 }
 
-// The AMX kernels serve calls of at least this many rows (below: the decode kernels).
-constexpr int64_t kAmxRows = 16;
-bool UseAmx(int64_t M) { return IsaLevel() == 4 && M >= kAmxRows; }
+// The AMX kernels serve calls of at least AmxRows() rows (below: the decode kernels), 16 unless
+// JAXSERVE_NATIVE_AMX_ROWS says otherwise (for measuring).
+int64_t AmxRows() {
+  static const int64_t rows = [] {
+    const char* s = std::getenv("JAXSERVE_NATIVE_AMX_ROWS");
+    return s && *s ? int64_t(std::atoll(s)) : int64_t(16);
+  }();
+  return rows;
+}
+bool UseAmx(int64_t M) { return IsaLevel() == 4 && M >= AmxRows(); }
 
 #define JAXSERVE_ISA(CALL) (IsaLevel() >= 2 ? (void)(avx512::CALL) : (void)(avx2::CALL))
 
@@ -339,4 +346,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_w8a8_s32, ExactImpl,
 // 0 none (unusable).
 extern "C" int jaxserve_native_isa() { return IsaLevel(); }
 // The fewest rows a call needs to run on the AMX kernels (where the level is 4).
-extern "C" int jaxserve_native_amx_rows() { return int(kAmxRows); }
+extern "C" int jaxserve_native_amx_rows() { return int(AmxRows()); }
