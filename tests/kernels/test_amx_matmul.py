@@ -122,3 +122,32 @@ def test_isa_cap_keeps_amx_off():
     code = "from jaxserve import native; print(native.status().isa)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["avx512-vnni"], out.stderr[-2000:]
+
+
+def test_rows_rule_per_instruction_set(monkeypatch):
+    from jaxserve.quant.native_paths import ALL, MAX_ROWS, ROWS_ENV, max_rows
+
+    monkeypatch.delenv(ROWS_ENV, raising=False)
+    assert max_rows("amx") == {f: ALL for f in MAX_ROWS}
+    assert max_rows("avx512-vnni") == MAX_ROWS
+    assert max_rows("avx512")["int8"] == 0 and max_rows("avx512")["int4"] == MAX_ROWS["int4"]
+    monkeypatch.setenv(ROWS_ENV, "bf16=4,int8=0")
+    assert max_rows("amx")["bf16"] == 4 and max_rows("amx")["int8"] == 0 and max_rows("amx")["int4"] == ALL
+
+
+@needs_amx
+def test_registry_names_the_tile_kernels_and_keeps_every_row_native():
+    from jaxserve.quant.native_paths import native_path
+    from jaxserve.quant.paths import PATHS, XLA_PATHS
+
+    amx_rows = native.status().amx_rows
+    names = {f: PATHS[(f, "cpu")].name for f in ("bf16", "int8", "int4", "fp8")}
+    assert names == {"bf16": "cpu:native-amx-bf16", "int8": "cpu:native-amx-w8a8", "int4": "cpu:native-amx-int4-bf16",
+                     "fp8": "cpu:native-amx-fp8-bf16"}
+    assert "AMX-BF16" in PATHS[("int4", "cpu")].numerics and "W4A8" in PATHS[("int4", "cpu")].numerics
+    qw = quantize(rand((64, 48), seed=1), "int4:g32")
+    for rows in (1, amx_rows, 512):
+        text = jax.jit(PATHS[("int4", "cpu")].dense).lower(jnp.zeros((rows, 64), jnp.float32), qw).as_text()
+        assert "jaxserve_int4_w4a16" in text, rows
+    capped = native_path("bf16", XLA_PATHS[("bf16", "cpu")], 4, "amx", amx_rows)  # JAXSERVE_NATIVE_ROWS=bf16=4
+    assert capped.name == "cpu:native-bf16-w16a32" and "more rows: cpu:bf16-dot" in capped.numerics

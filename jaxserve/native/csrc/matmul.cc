@@ -207,12 +207,15 @@ int IsaLevel() {
 }
 
 // The AMX kernels serve calls of at least AmxRows() rows (below: the decode kernels), 16 unless
-// JAXSERVE_NATIVE_AMX_ROWS says otherwise (for measuring).
+// JAXSERVE_NATIVE_AMX_ROWS or jaxserve_native_set_amx_rows says otherwise (for measuring).
+std::atomic<int64_t> amx_rows{-1};
 int64_t AmxRows() {
-  static const int64_t rows = [] {
+  int64_t rows = amx_rows.load(std::memory_order_relaxed);
+  if (rows < 0) {
     const char* s = std::getenv("JAXSERVE_NATIVE_AMX_ROWS");
-    return s && *s ? int64_t(std::atoll(s)) : int64_t(16);
-  }();
+    rows = s && *s ? int64_t(std::atoll(s)) : int64_t(16);
+    amx_rows.store(rows, std::memory_order_relaxed);
+  }
   return rows;
 }
 bool UseAmx(int64_t M) { return IsaLevel() == 4 && M >= AmxRows(); }
@@ -347,3 +350,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_w8a8_s32, ExactImpl,
 extern "C" int jaxserve_native_isa() { return IsaLevel(); }
 // The fewest rows a call needs to run on the AMX kernels (where the level is 4).
 extern "C" int jaxserve_native_amx_rows() { return int(AmxRows()); }
+// Sets it (a benchmark loads a second copy of the library and turns AMX off in that copy).
+extern "C" void jaxserve_native_set_amx_rows(int rows) { amx_rows.store(rows, std::memory_order_relaxed); }
