@@ -30,12 +30,16 @@ ALL = 1 << 30  # "every row count"
 # the module docstring); JAXSERVE_NATIVE_ROWS="int8=8,bf16=1" overrides entries (for measuring;
 # 0 = XLA's path). Without AMX the decode kernels serve the decode buckets:
 MAX_ROWS = {"int4": 8, "fp8": 8, "fp8_block": 8, "bf16": 4, "int8": 4}
+# With AVX512-VNNI the W4A8 kernel beat XLA's dequantizing int4 path up to 32 rows (3.2x at 16,
+# 3.3x at 32 with AMX off; level at 64), so it serves int4 there:
+VNNI_ROWS = {"int4": 32}
 # Without AVX512-VNNI int8's native kernel is the float W8A16 one: level with XLA's W8A8 dot at
 # 1 row and 0.6x of it at 4 (JAXSERVE_NATIVE_ISA=avx512 on the VNNI machine), so XLA's stays.
 NO_VNNI_ROWS = {"int8": 0}
-# With AMX the tile kernels take calls of native.status().amx_rows rows and more, the decode
-# kernels the fewer: together they beat XLA's paths at every row count measured (1..512).
-AMX_MAX_ROWS = {f: ALL for f in MAX_ROWS}
+# With AMX the tile kernels take calls of native.status().amx_rows[family] rows and more, the
+# decode kernels the fewer: they beat XLA's paths up to 64 rows (bf16 1.4x at 32, fp8 2.6x at
+# 64, int8 1.2x at 32-64), level or behind at 256, so XLA's take over above 64 (int4: W4A8, 32).
+AMX_MAX_ROWS = {"int4": 32, "fp8": 64, "fp8_block": 64, "bf16": 64, "int8": 64}
 ROWS_ENV = "JAXSERVE_NATIVE_ROWS"
 
 
@@ -45,7 +49,9 @@ def max_rows(isa: str | None = None) -> dict[str, int]:
     if isa is None and native.available():
         isa = native.status().isa
     out = dict(AMX_MAX_ROWS if isa == "amx" else MAX_ROWS)
-    if isa not in ("amx", "avx512-vnni"):
+    if isa == "avx512-vnni":
+        out.update(VNNI_ROWS)
+    elif isa != "amx":
         out.update(NO_VNNI_ROWS)
     for part in filter(None, (p.strip() for p in os.environ.get(ROWS_ENV, "").split(","))):
         fam, _, rows = part.partition("=")
@@ -64,8 +70,9 @@ VNNI_NUMERICS = {
     "int8": ("W8A8", "activations quantized to int8 per row (d = amax/127, rint(x/d)), int8 x int8 dots "
                      "exact in int32, times the weight and activation scales in f32"),
 }
-# The AMX tile kernels (isa "amx", from native.status().amx_rows rows): the name's tail, numerics.
-# int4 runs as bf16 tiles rather than W4A8 on AMX-INT8 (BENCHMARKS.md, issue 28, 2026-12-02).
+# The AMX tile kernels (isa "amx", from native.status().amx_rows[family] rows): the name's tail,
+# numerics. int4 has none by default: its bf16 tiles lost to the W4A8 VNNI kernel at every row
+# count measured (BENCHMARKS.md, issue 28, 2026-12-02), so it runs W4A8 at every row count.
 _TILES = "decoded to f32 (times the scale) and rounded to bf16, activations rounded to bf16, bf16 x bf16 " \
          "products accumulated in f32 (AMX-BF16)"
 AMX = {
@@ -103,7 +110,8 @@ KERNELS = {"int4": ("w4a16", int4_dense), "fp8": ("fp8-w8a16", fp8_dense), "fp8_
 
 def native_path(family: str, fallback, max_rows: int, isa: str, amx_rows: int | None = None):
     """A Path running ``family``'s native kernel for <= max_rows rows, ``fallback`` above; with
-    isa "amx" the tile kernel from amx_rows rows on (the C++ side picks by the same count)."""
+    isa "amx" the tile kernel from amx_rows rows on (None: none; the C++ side picks by the same
+    count)."""
     kind, kernel = KERNELS[family]
 
     def dense(x, qw):
@@ -131,5 +139,6 @@ def native_cpu_paths(paths: dict) -> dict:
     if not native.available():
         return {}
     st = native.status()
-    return {(f, "cpu"): native_path(f, paths[(f, "cpu")], rows, st.isa, st.amx_rows)
+    amx = {f: (st.amx_rows or {}).get("fp8" if f == "fp8_block" else f) for f in KERNELS}
+    return {(f, "cpu"): native_path(f, paths[(f, "cpu")], rows, st.isa, amx[f])
             for f, rows in max_rows().items() if rows > 0 and (f, "cpu") in paths}

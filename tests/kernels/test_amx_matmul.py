@@ -7,7 +7,8 @@ differs. AMX-INT8 (int8 per channel, W8A8): the activations quantized here per r
 amax / 127, rint(x / d) in float32), the integer dots in int64, the scales in float64. Odd
 shapes: K and N not multiples of a tile (32 / 64 k, 16 columns), rows 17, 33, 130 (a partial
 16-row tile, a 32-row block plus one row, several blocks); M = 1 and 5 reach the AMX kernels
-in a subprocess with JAXSERVE_NATIVE_AMX_ROWS=1. Skipped where the kernels run without AMX.
+in a subprocess with JAXSERVE_NATIVE_AMX_ROWS=1, as does int4's bf16-tile kernel (off by default:
+int4 runs the W4A8 VNNI kernel at every row count). Skipped where the kernels run without AMX.
 """
 import os
 import subprocess
@@ -86,6 +87,9 @@ def check_exact(m, k, n):
 @pytest.mark.parametrize("m,k,n", SHAPES)
 @pytest.mark.parametrize("fmt", BF16_FORMATS)
 def test_bf16_tiles_against_numpy(fmt, m, k, n):
+    fam = "fp8" if family_of(fmt).startswith("fp8") else family_of(fmt)
+    if fam not in native.status().amx_rows:
+        pytest.skip(f"{fmt}: no AMX kernel by default here (test_every_format_on_the_tiles_from_one_row)")
     check_bf16_tiles(fmt, m, k, n)
 
 
@@ -102,17 +106,18 @@ def test_exact_s32_tiles(m, k, n):
 
 
 @needs_amx
-def test_one_row_and_five_rows_on_the_tiles():
-    """JAXSERVE_NATIVE_AMX_ROWS=1 sends every call to the AMX kernels (a subprocess)."""
+def test_every_format_on_the_tiles_from_one_row():
+    """JAXSERVE_NATIVE_AMX_ROWS=1 sends every call to the AMX kernels (a subprocess): 1 and 5
+    rows, and int4's bf16-tile kernel (off by default) on every shape."""
     code = ("import sys; sys.path.insert(0, 'tests'); sys.path.insert(0, 'tests/kernels')\n"
             "import test_amx_matmul as t\n"
-            "for m in (1, 5):\n"
-            "    for f in t.BF16_FORMATS: t.check_bf16_tiles(f, m, 200, 77)\n"
-            "    t.check_w8a8(m, 1000, 200); t.check_exact(m, 300, 33)\n"
+            "for m, k, n in [(1, 200, 77), (5, 1000, 200)] + t.SHAPES:\n"
+            "    for f in t.BF16_FORMATS: t.check_bf16_tiles(f, m, k, n)\n"
+            "    t.check_w8a8(m, k, n); t.check_exact(m, k, n)\n"
             "print('ok')")
     env = {**os.environ, "JAXSERVE_NATIVE_AMX_ROWS": "1", "JAX_PLATFORMS": "cpu"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=root)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
@@ -125,14 +130,14 @@ def test_isa_cap_keeps_amx_off():
 
 
 def test_rows_rule_per_instruction_set(monkeypatch):
-    from jaxserve.quant.native_paths import ALL, MAX_ROWS, ROWS_ENV, max_rows
+    from jaxserve.quant.native_paths import AMX_MAX_ROWS, MAX_ROWS, ROWS_ENV, max_rows
 
     monkeypatch.delenv(ROWS_ENV, raising=False)
-    assert max_rows("amx") == {f: ALL for f in MAX_ROWS}
-    assert max_rows("avx512-vnni") == MAX_ROWS
-    assert max_rows("avx512")["int8"] == 0 and max_rows("avx512")["int4"] == MAX_ROWS["int4"]
+    assert max_rows("amx") == AMX_MAX_ROWS and AMX_MAX_ROWS["bf16"] == 64 and AMX_MAX_ROWS["int4"] == 32
+    assert max_rows("avx512-vnni") == {**MAX_ROWS, "int4": 32}
+    assert max_rows("avx512")["int8"] == 0 and max_rows("avx512")["int4"] == MAX_ROWS["int4"] == 8
     monkeypatch.setenv(ROWS_ENV, "bf16=4,int8=0")
-    assert max_rows("amx")["bf16"] == 4 and max_rows("amx")["int8"] == 0 and max_rows("amx")["int4"] == ALL
+    assert max_rows("amx")["bf16"] == 4 and max_rows("amx")["int8"] == 0 and max_rows("amx")["int4"] == 32
 
 
 @needs_amx
@@ -140,14 +145,15 @@ def test_registry_names_the_tile_kernels_and_keeps_every_row_native():
     from jaxserve.quant.native_paths import native_path
     from jaxserve.quant.paths import PATHS, XLA_PATHS
 
-    amx_rows = native.status().amx_rows
-    names = {f: PATHS[(f, "cpu")].name for f in ("bf16", "int8", "int4", "fp8")}
-    assert names == {"bf16": "cpu:native-amx-bf16", "int8": "cpu:native-amx-w8a8", "int4": "cpu:native-amx-int4-bf16",
-                     "fp8": "cpu:native-amx-fp8-bf16"}
-    assert "AMX-BF16" in PATHS[("int4", "cpu")].numerics and "W4A8" in PATHS[("int4", "cpu")].numerics
-    qw = quantize(rand((64, 48), seed=1), "int4:g32")
-    for rows in (1, amx_rows, 512):
-        text = jax.jit(PATHS[("int4", "cpu")].dense).lower(jnp.zeros((rows, 64), jnp.float32), qw).as_text()
-        assert "jaxserve_int4_w4a16" in text, rows
+    amx_rows = native.status().amx_rows["bf16"]
+    names = {f: PATHS[(f, "cpu")].name for f in ("bf16", "int8", "int4", "fp8", "fp8_block")}
+    assert names == {"bf16": "cpu:native-amx-bf16", "int8": "cpu:native-amx-w8a8", "int4": "cpu:native-w4a8",
+                     "fp8": "cpu:native-amx-fp8-bf16", "fp8_block": "cpu:native-amx-fp8-bf16"}
+    assert "AMX-BF16" in PATHS[("bf16", "cpu")].numerics and "W8A8" in PATHS[("int8", "cpu")].numerics
+    assert PATHS[("int4", "cpu")].numerics.startswith("<= 32 rows: native avx512-vnni W4A8")
+    qw = quantize(rand((64, 48), seed=1), "bf16")
+    for rows, native_call in ((1, True), (amx_rows, True), (64, True), (65, False)):
+        text = jax.jit(PATHS[("bf16", "cpu")].dense).lower(jnp.zeros((rows, 64), jnp.float32), qw).as_text()
+        assert ("jaxserve_bf16_w16a32" in text) == native_call, rows
     capped = native_path("bf16", XLA_PATHS[("bf16", "cpu")], 4, "amx", amx_rows)  # JAXSERVE_NATIVE_ROWS=bf16=4
     assert capped.name == "cpu:native-bf16-w16a32" and "more rows: cpu:bf16-dot" in capped.numerics

@@ -206,19 +206,26 @@ int IsaLevel() {
   return level;
 }
 
-// The AMX kernels serve calls of at least AmxRows() rows (below: the decode kernels), 16 unless
-// JAXSERVE_NATIVE_AMX_ROWS or jaxserve_native_set_amx_rows says otherwise (for measuring).
-std::atomic<int64_t> amx_rows{-1};
-int64_t AmxRows() {
-  int64_t rows = amx_rows.load(std::memory_order_relaxed);
+// The AMX kernels serve calls of at least AmxRows(format) rows (below: the decode kernels), as
+// measured (BENCHMARKS.md, issue 28): 16 for bf16, int8 and fp8; int4 stays on the W4A8 VNNI
+// kernel at every row count (its bf16 tiles lost to it). JAXSERVE_NATIVE_AMX_ROWS (all formats)
+// or jaxserve_native_set_amx_rows says otherwise (for measuring).
+enum Format { kBf16, kInt8, kInt4, kFp8, kFormats };
+constexpr int64_t kNever = int64_t(1) << 30;
+constexpr int64_t kAmxDefault[kFormats] = {16, 16, kNever, 16};
+std::atomic<int64_t> amx_rows_set{-1};
+int64_t AmxRows(int f) {
+  int64_t rows = amx_rows_set.load(std::memory_order_relaxed);
   if (rows < 0) {
-    const char* s = std::getenv("JAXSERVE_NATIVE_AMX_ROWS");
-    rows = s && *s ? int64_t(std::atoll(s)) : int64_t(16);
-    amx_rows.store(rows, std::memory_order_relaxed);
+    static const int64_t env = [] {
+      const char* s = std::getenv("JAXSERVE_NATIVE_AMX_ROWS");
+      return s && *s ? int64_t(std::atoll(s)) : int64_t(-1);
+    }();
+    rows = env;
   }
-  return rows;
+  return rows < 0 ? kAmxDefault[f] : rows;
 }
-bool UseAmx(int64_t M) { return IsaLevel() == 4 && M >= AmxRows(); }
+bool UseAmx(int f, int64_t M) { return IsaLevel() == 4 && M >= AmxRows(f); }
 
 #define JAXSERVE_ISA(CALL) (IsaLevel() >= 2 ? (void)(avx512::CALL) : (void)(avx2::CALL))
 
@@ -234,7 +241,7 @@ ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   int64_t M = xd[0], Kp = xd[1], N = wd[1];
   if (group < 2 || group % 2 || Kp % group || wd[0] * 2 != Kp || sd[0] != Kp / group || sd[1] != N)
     return ffi::Error::InvalidArgument("int4: shapes do not match the group layout");
-  if (UseAmx(M))
+  if (UseAmx(kInt4, M))
     avx512::amx::RunInt4(pool, x.typed_data(), M, Kp, w.typed_data(), N, s.typed_data(), group, y->typed_data());
   else if (IsaLevel() >= 3 && group % 4 == 0)
     avx512::vnni::RunW4A8(pool, x.typed_data(), M, Kp, w.typed_data(), N, s.typed_data(), group, y->typed_data());
@@ -248,7 +255,7 @@ ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   auto xd = x.dimensions(), wd = w.dimensions(), sd = s.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1] || sd.size() != 2 || sd[0] != 1 || sd[1] != wd[1])
     return ffi::Error::InvalidArgument("int8: x [M, K], w [K, N], scales [1, N] expected");
-  if (UseAmx(xd[0]))
+  if (UseAmx(kInt8, xd[0]))
     avx512::amx::RunW8A8(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], s.typed_data(), y->typed_data());
   else if (IsaLevel() >= 3)
     avx512::vnni::RunW8A8(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], s.typed_data(), y->typed_data());
@@ -269,7 +276,7 @@ ffi::Error Fp8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   int64_t K = xd[1], N = wd[1];
   if (bk < 1 || bn < 1 || (bn > 1 && bn % 16) || sd[0] != (K + bk - 1) / bk || sd[1] != (N + bn - 1) / bn)
     return ffi::Error::InvalidArgument("fp8: scales do not match the scale block");
-  if (UseAmx(xd[0]))
+  if (UseAmx(kFp8, xd[0]))
     avx512::amx::RunFp8(pool, x.typed_data(), xd[0], K, static_cast<const uint8_t*>(w.untyped_data()), N, s.typed_data(), bk, bn, y->typed_data());
   else
     JAXSERVE_ISA(RunFp8(pool, x.typed_data(), xd[0], K, static_cast<const uint8_t*>(w.untyped_data()), N, s.typed_data(), bk, bn, y->typed_data()));
@@ -281,7 +288,7 @@ ffi::Error Bf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1]) return ffi::Error::InvalidArgument("bf16: bad shapes");
   const auto* bits = reinterpret_cast<const uint16_t*>(w.untyped_data());
-  if (UseAmx(xd[0]))
+  if (UseAmx(kBf16, xd[0]))
     avx512::amx::RunBf16(pool, x.typed_data(), xd[0], xd[1], bits, wd[1], y->typed_data());
   else if (IsaLevel() >= 2)
     avx512::split::RunBf16(pool, x.typed_data(), xd[0], xd[1], bits, wd[1], y->typed_data());
@@ -294,7 +301,7 @@ ffi::Error ExactImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<f
                      ffi::ResultBuffer<ffi::S32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1]) return ffi::Error::InvalidArgument("w8a8: bad shapes");
-  if (UseAmx(xd[0]))
+  if (UseAmx(kInt8, xd[0]))
     avx512::amx::RunExact(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], y->typed_data());
   else if (IsaLevel() >= 3)
     avx512::vnni::RunExactVnni(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], y->typed_data());
@@ -348,7 +355,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_w8a8_s32, ExactImpl,
 // The instruction set the kernels run with: 4 AMX (+ 3's), 3 AVX-512 + VNNI, 2 AVX-512, 1 AVX2 (+FMA, F16C),
 // 0 none (unusable).
 extern "C" int jaxserve_native_isa() { return IsaLevel(); }
-// The fewest rows a call needs to run on the AMX kernels (where the level is 4).
-extern "C" int jaxserve_native_amx_rows() { return int(AmxRows()); }
-// Sets it (a benchmark loads a second copy of the library and turns AMX off in that copy).
-extern "C" void jaxserve_native_set_amx_rows(int rows) { amx_rows.store(rows, std::memory_order_relaxed); }
+// The fewest rows a call of format f (0 bf16, 1 int8, 2 int4, 3 fp8) needs to run on the AMX
+// kernels (where the level is 4; 1 << 30: never).
+extern "C" int jaxserve_native_amx_rows(int f) { return int(AmxRows(std::clamp(f, 0, kFormats - 1))); }
+// Sets it for every format, -1 back to the defaults (a benchmark loads a second copy of the
+// library and turns AMX off in that copy).
+extern "C" void jaxserve_native_set_amx_rows(int rows) { amx_rows_set.store(rows, std::memory_order_relaxed); }
