@@ -1,5 +1,6 @@
-// jaxserve's native CPU matmul kernels for small batches (decode), reached from the jitted
-// programs as XLA FFI custom calls (registered for the CPU platform by jaxserve.native).
+// jaxserve's native CPU matmul kernels, reached from the jitted programs as XLA FFI custom calls
+// (registered for the CPU platform by jaxserve.native): decode kernels for small batches, and
+// on CPUs with AMX tile kernels for many rows (amx.inc; isa.inc says which run).
 //
 // Every kernel computes y[M, N] = x[M, K] . decode(w)[K, N] reading w as jaxserve stores it
 // (row-major [K, N], N contiguous), one strip of columns at a time, decoded in registers and
@@ -10,7 +11,10 @@
 //     decoded to float32, f32 activations, FMA into f32 accumulators held in registers while
 //     the strip walks K row by row (each stored row one contiguous run, prefetched ahead);
 //   integer kernels (vnni.inc, AVX512-VNNI): int4 groups as W4A8 and int8 as W8A8, the
-//     activations quantized to int8 in the kernel, vpdpbusd int32 dots, scales in f32.
+//     activations quantized to int8 in the kernel, vpdpbusd int32 dots, scales in f32;
+//   tile kernels (amx.inc, AMX-BF16 / AMX-INT8): B tiles packed per call from the stored bytes
+//     into a thread-local buffer (256 KiB per thread, or one 32-column panel
+//     where that is larger), 32 x 32 blocks of y.
 //
 // Formats (see jaxserve/quant/*.py for the layouts):
 //   int4 groups  w u8 [Kp/2, N] (group tile: low nibbles rows t*G+j, high rows t*G+G/2+j),
@@ -175,57 +179,7 @@ struct Isa {
 #pragma GCC pop_options
 }  // namespace avx2
 
-// AMX tiles, AMX-BF16, AMX-INT8, AVX512-BF16 and VBMI in cpuid, and Linux's leave to use the
-// tile data state (asked once: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)).
-bool AmxUsable() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool tiles = (d >> 24 & 1) && (d >> 22 & 1) && (d >> 25 & 1) && (c >> 1 & 1);  // tile, bf16, int8; vbmi
-  if (!tiles || !__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a >> 5 & 1)) return false;  // avx512_bf16
-  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-}
-
-// 4: 3 and AMX (AmxUsable); 3: AVX-512 with VNNI (the integer W4A8 / W8A8 kernels); 2: AVX-512
-// (F, BW, VL, DQ) with F16C and FMA; 1: AVX2 with F16C and FMA; 0: none of these.
-int IsaLevel() {
-  static const int level = [] {
-    __builtin_cpu_init();
-    bool base = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    bool vnni = wide && __builtin_cpu_supports("avx512vnni");
-    // "avx2": do not use AVX-512; "avx512": AVX-512 without the VNNI kernels; "avx512-vnni":
-    // no AMX
-    const char* cap = std::getenv("JAXSERVE_NATIVE_ISA");
-    if (cap && std::strcmp(cap, "avx2") == 0) wide = vnni = false;
-    if (cap && std::strcmp(cap, "avx512") == 0) vnni = false;
-    const bool amx = vnni && !(cap && std::strcmp(cap, "avx512-vnni") == 0) && AmxUsable();
-    return base ? (amx ? 4 : vnni ? 3 : wide ? 2 : 1) : 0;
-  }();
-  return level;
-}
-
-// The AMX kernels serve calls of at least AmxRows(format) rows (below: the decode kernels), as
-// measured (BENCHMARKS.md, issue 28): 16 for bf16, int8 and fp8; int4 stays on the W4A8 VNNI
-// kernel at every row count (its bf16 tiles lost to it). JAXSERVE_NATIVE_AMX_ROWS (all formats)
-// or jaxserve_native_set_amx_rows says otherwise (for measuring).
-enum Format { kBf16, kInt8, kInt4, kFp8, kFormats };
-constexpr int64_t kNever = int64_t(1) << 30;
-constexpr int64_t kAmxDefault[kFormats] = {16, 16, kNever, 16};
-std::atomic<int64_t> amx_rows_set{-1};
-int64_t AmxRows(int f) {
-  int64_t rows = amx_rows_set.load(std::memory_order_relaxed);
-  if (rows < 0) {
-    static const int64_t env = [] {
-      const char* s = std::getenv("JAXSERVE_NATIVE_AMX_ROWS");
-      return s && *s ? int64_t(std::atoll(s)) : int64_t(-1);
-    }();
-    rows = env;
-  }
-  return rows < 0 ? kAmxDefault[f] : rows;
-}
-bool UseAmx(int f, int64_t M) { return IsaLevel() == 4 && M >= AmxRows(f); }
+#include "isa.inc"
 
 #define JAXSERVE_ISA(CALL) (IsaLevel() >= 2 ? (void)(avx512::CALL) : (void)(avx2::CALL))
 
