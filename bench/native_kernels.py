@@ -3,7 +3,9 @@
 The SmolLM2-135M decode skeleton: every matrix a batch-M decode step multiplies (30 layers of
 q/k/v/o/gate/up/down and the 576 x 49152 tied head), in one jitted call per (format, path), the
 calls interleaved in rotating order, --reps timed each; reported: best ms per call, stored
-GB/s, speed relative to float32 from the same process. Plus the copy bandwidth of the machine
+GB/s, speed relative to float32 from the same process. --no-amx adds the same build's kernels
+with AMX off (a second copy of the library), so AMX and the VNNI/AVX-512 kernels are timed
+side by side. Plus the copy bandwidth of the machine
 (a jitted in-place x + 1 over 256 MiB, read + write counted). --baseline LIB.so adds a third
 path per format: the same calls into another build of the kernels (e.g. main's), registered
 under prefixed names, so old and new kernels are timed side by side in one process.
@@ -16,6 +18,8 @@ import argparse
 import ctypes
 import json
 import os
+import shutil
+import tempfile
 import time
 
 import jax
@@ -34,30 +38,32 @@ def skeleton(layers: int):
     return [s for _ in range(layers) for s in SHAPES] + [(576, 49152)]
 
 
-def baseline_kernels(lib_path: str) -> dict:
+def baseline_kernels(lib_path: str, prefix: str = "baseline_", amx_rows: int | None = None) -> dict:
     """family -> dense(x, qw) calling the kernels of the library at lib_path (registered as
-    "baseline_<target>"), with the argument handling of jaxserve.native's wrappers."""
+    "<prefix><target>"), with the argument handling of jaxserve.native's wrappers; amx_rows:
+    that copy's AMX row threshold (1 << 30: no AMX)."""
     lib = ctypes.CDLL(lib_path)
+    if amx_rows is not None:
+        lib.jaxserve_native_set_amx_rows(amx_rows)
     for name in native.TARGETS:
-        jax.ffi.register_ffi_target("baseline_" + name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+        jax.ffi.register_ffi_target(prefix + name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
 
     def out(x, qw):
         return jax.ShapeDtypeStruct((x.shape[0], qw.values.shape[-1]), jnp.float32)
 
     def int4(x, qw):
         xp = jnp.pad(x, ((0, 0), (0, 2 * qw.values.shape[-2] - x.shape[1])))
-        return jax.ffi.ffi_call("baseline_jaxserve_int4_w4a16", out(x, qw))(
+        return jax.ffi.ffi_call(prefix + "jaxserve_int4_w4a16", out(x, qw))(
             xp, qw.values, jnp.asarray(qw.scales, jnp.float32), group=np.int64(qw.fmt.group))
 
     def fp8(x, qw):
         bk, bn = qw.fmt.scale_block
-        bits = jax.lax.bitcast_convert_type(jnp.asarray(qw.values), jnp.uint8)
-        return jax.ffi.ffi_call("baseline_jaxserve_fp8_w8a16", out(x, qw))(
-            x, bits, qw.scales, bk=np.int64(bk or qw.shape[0]), bn=np.int64(max(bn, 1)))
+        return jax.ffi.ffi_call(prefix + "jaxserve_fp8_w8a16", out(x, qw))(
+            x, qw.values, qw.scales, bk=np.int64(bk or qw.shape[0]), bn=np.int64(max(bn, 1)))
 
     return {"int4": int4, "fp8": fp8, "fp8_block": fp8,
-            "int8": lambda x, qw: jax.ffi.ffi_call("baseline_jaxserve_int8_w8a16", out(x, qw))(x, qw.values, qw.scales),
-            "bf16": lambda x, qw: jax.ffi.ffi_call("baseline_jaxserve_bf16_w16a32", out(x, qw))(x, qw.values)}
+            "int8": lambda x, qw: jax.ffi.ffi_call(prefix + "jaxserve_int8_w8a16", out(x, qw))(x, qw.values, qw.scales),
+            "bf16": lambda x, qw: jax.ffi.ffi_call(prefix + "jaxserve_bf16_w16a32", out(x, qw))(x, qw.values)}
 
 
 def best(fn, args, reps):
@@ -78,6 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--baseline", default=None, help="another build of the kernels (.so) to time alongside")
+    ap.add_argument("--no-amx", action="store_true",
+                    help="also time a second copy of this build with its AMX kernels off (the VNNI/AVX-512 ones)")
     args = ap.parse_args(argv)
     assert native.available(), native.status().reason
     rng = np.random.default_rng(0)
@@ -90,6 +98,11 @@ def main(argv=None) -> int:
     big.block_until_ready()
     copy_gbs = 5 * 2 * big.nbytes / (time.perf_counter() - t) / 1e9
     base = baseline_kernels(args.baseline) if args.baseline else None
+    noamx = None
+    if args.no_amx:
+        copy_path = os.path.join(tempfile.mkdtemp(), "noamx_kernels.so")
+        shutil.copy(native.status().library, copy_path)  # its own statics: AMX off there only
+        noamx = baseline_kernels(copy_path, "noamx_", 1 << 30)
     cases = {"float32": ([jnp.asarray(w) for w in ws], lambda x, w: x @ w, sum(w.nbytes for w in ws))}
     for f in args.formats.split(","):
         qs = jax.device_put([quantize(w, f) for w in ws])  # on the device once, as an engine holds them
@@ -98,6 +111,8 @@ def main(argv=None) -> int:
         cases[f"{f} native"] = (qs, KERNELS[fam][1], sum(nbytes(q) for q in qs))
         if base:
             cases[f"{f} baseline"] = (qs, base[fam], sum(nbytes(q) for q in qs))
+        if noamx:
+            cases[f"{f} no-amx"] = (qs, noamx[fam], sum(nbytes(q) for q in qs))
     rows = []
     for m in [int(v) for v in args.m.split(",")]:
         x = jnp.asarray(rng.standard_normal((m, 576)), jnp.float32)

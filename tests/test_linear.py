@@ -8,6 +8,7 @@ row to int8 (W8A8: then the whole product is integer and must match exactly), pe
 weight group to int8 (the W4A8 native kernel), or to e4m3 (the GPU fp8 dot), or not at all (the
 native CPU kernels' float forms, jaxserve.native). What is left is float32 accumulation, bounded by ``ACC * |x| @ |w|``.
 """
+import dataclasses
 import functools
 
 import jax
@@ -16,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jaxserve import native
 from jaxserve.quant import quantize
 from jaxserve.quant.linear import (BACKENDS, describe, embedding, expert_linear, head_columns, linear, matmul,
                                    path_for, ragged_matmul, tied_head, use_backend)
@@ -83,6 +85,11 @@ def running(path, rows: int, qw):
     family = family_of(qw.format)
     if "native" in path.name and rows > max_rows().get(family, 0):
         return XLA_PATHS[(family, "cpu")]
+    if path.name.startswith("cpu:native-amx-"):  # the tile kernel from amx_rows rows, else the decode one
+        amx = rows >= native.status().amx_rows["fp8" if family == "fp8_block" else family]
+        small = {"int4": "w4a8", "int8": "w8a8", "bf16": "bf16-w16a32"}.get(family, "fp8-w8a16")
+        name = ("cpu:native-amx-w8a8" if family == "int8" else "cpu:amx-tiles") if amx else f"cpu:native-{small}"
+        return dataclasses.replace(path, name=name)
     return path
 
 
@@ -104,7 +111,7 @@ def test_every_format_family_has_a_path_on_every_backend():
         for backend in BACKENDS:
             assert path_for(fmt, backend).name
     assert describe("int8", "cpu").startswith(("int8 -> cpu:w8a8 (", "int8 -> cpu:native-w8a8 (",
-                                               "int8 -> cpu:native-w8a16 ("))
+                                               "int8 -> cpu:native-w8a16 (", "int8 -> cpu:native-amx-w8a8 ("))
     assert path_for("int4:g32", "gpu").name == "gpu:pallas-int4"
     assert path_for("fp8_e4m3", "gpu").name == "gpu:fp8-dot"
     assert {b for _, b in PATHS} == {"cpu", "gpu", "interpret"}

@@ -4,9 +4,10 @@ custom calls inside the jitted programs.
 The C++ source is ``csrc/matmul.cc``; the normal install (``pip install -e .``, i.e.
 ``scripts/setup.sh``) compiles it into ``_kernels*.so`` next to this file (setup.py, XLA's FFI
 headers from ``jax.ffi.include_dir()``). ``status()`` loads it once, asks it which copy of the
-kernels the CPU runs (cpuid: AVX-512 F/BW/VL/DQ with AVX512-VNNI, AVX-512 without, else AVX2;
-all with FMA and F16C; ``JAXSERVE_NATIVE_ISA=avx512`` or ``=avx2`` caps it) and registers the
-handlers for the CPU platform; when
+kernels the CPU runs (cpuid: AMX tiles with AMX-BF16, AMX-INT8, AVX512-BF16 and VBMI on top of
+AVX512-VNNI, with Linux's leave to use the tile state; AVX-512 F/BW/VL/DQ with AVX512-VNNI;
+AVX-512 without; else AVX2; all with FMA and F16C; ``JAXSERVE_NATIVE_ISA=avx512-vnni``,
+``=avx512`` or ``=avx2`` caps it) and registers the handlers for the CPU platform; when
 any of that fails, or ``JAXSERVE_NATIVE=0`` is set, ``available()`` is False, the reason is
 logged once, and the matmul registry keeps XLA's own formulations.
 
@@ -22,6 +23,14 @@ Entry points (x f32 [M, K]; all return f32 [M, N] except ``w8a8_s32``):
 - ``fp8_w8a16(x, w, scales, bk, bn)``: e4m3fn weights (or their uint8 bits) with a scale per
   (bk x bn) block;
 - ``bf16_w16a32(x, w)``: bf16 weights widened exactly to f32.
+
+With AMX (isa "amx"), calls of at least ``status().amx_rows[family]`` rows (16 for bf16,
+int8 and fp8; ``JAXSERVE_NATIVE_AMX_ROWS`` sets every family, for measuring) run tile kernels
+instead: bf16 and fp8 weights decoded to bf16 tiles (e4m3 times its scale in f32, rounded to
+bf16), x rounded to bf16, f32 accumulation (AMX-BF16); int8 as W8A8 with the VNNI kernel's
+activation quantization, exact int32 dots (AMX-INT8); ``w8a8_s32`` exact on AMX-INT8. The int4
+entry has a bf16-tile kernel too (nibble times scale, rounded to bf16), which lost to the W4A8
+VNNI kernel at every row count measured, so int4 runs W4A8 unless JAXSERVE_NATIVE_AMX_ROWS.
 
 And one that is not a matmul (``csrc/greedy.cc``):
 - ``greedy_rows(logits, rows, mask)``: each sampled row's first argmax (of the masked row) and
@@ -44,8 +53,11 @@ log = logging.getLogger(__name__)
 TARGETS = ("jaxserve_int4_w4a16", "jaxserve_int8_w8a16", "jaxserve_fp8_w8a16", "jaxserve_bf16_w16a32",
            "jaxserve_w8a8_s32", "jaxserve_greedy_rows")
 ENV = "JAXSERVE_NATIVE"  # "0": do not use the native kernels
-# JAXSERVE_NATIVE_ISA=avx2 keeps AVX-512 machines on the AVX2 copy; =avx512 off the VNNI kernels
-ISA_NAMES = {3: "avx512-vnni", 2: "avx512", 1: "avx2"}
+# JAXSERVE_NATIVE_ISA=avx2 keeps AVX-512 machines on the AVX2 copy; =avx512 off the VNNI kernels;
+# =avx512-vnni off the AMX kernels
+ISA_NAMES = {4: "amx", 3: "avx512-vnni", 2: "avx512", 1: "avx2"}
+AMX_FAMILIES = ("bf16", "int8", "int4", "fp8")  # the C++ side's format numbers
+NEVER = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +65,8 @@ class NativeStatus:
     available: bool
     reason: str  # why not, or what was loaded
     library: str | None = None
-    isa: str | None = None  # "avx512-vnni" | "avx512" | "avx2": the kernels' instruction set (cpuid)
+    isa: str | None = None  # "amx" | "avx512-vnni" | "avx512" | "avx2": the kernels' instruction set (cpuid)
+    amx_rows: dict | None = None  # isa "amx": family -> calls of at least that many rows run its AMX kernel
 
 
 def _library_path() -> pathlib.Path | None:
@@ -96,7 +109,14 @@ def _load() -> NativeStatus:
         return NativeStatus(False, f"CPU lacks {', '.join(missing) or 'AVX2/FMA/F16C'}; XLA's own matmul paths run")
     for name in TARGETS:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
-    return NativeStatus(True, f"loaded {path.name}, {ISA_NAMES[level]} kernels (cpuid)", str(path), ISA_NAMES[level])
+    amx_rows = None
+    lib.jaxserve_native_amx_rows.argtypes = [ctypes.c_int]
+    if level == 4:  # the AMX kernels' row threshold per format family; NEVER: that family has none
+        amx_rows = {f: int(lib.jaxserve_native_amx_rows(i)) for i, f in enumerate(AMX_FAMILIES)}
+        amx_rows = {f: r for f, r in amx_rows.items() if r < NEVER}
+    what = f"{ISA_NAMES[level]} kernels (cpuid)" + (
+        "".join(f", AMX {f} from {r} rows" for f, r in amx_rows.items()) if amx_rows else "")
+    return NativeStatus(True, f"loaded {path.name}, {what}", str(path), ISA_NAMES[level], amx_rows)
 
 
 def available() -> bool:

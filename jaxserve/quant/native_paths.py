@@ -1,15 +1,17 @@
-"""The native CPU matmul paths: jaxserve.native's kernels for small batches, XLA's below.
+"""The native CPU matmul paths: jaxserve.native's kernels, XLA's where they do not pay.
 
 A native path multiplies the stored weight bytes as they are (int4 groups, fp8 e4m3 with
-channel or block scales, int8 per channel, bf16). bf16 and fp8 are decoded to float32 in
-registers, with float32 activations and float32 accumulation. int4 and int8 do the same on
-CPUs without AVX512-VNNI; with it they run integer dots (W4A8: activations quantized to int8
-per row per weight group; W8A8: per row), exact in int32, scaled in float32. It serves batches of at most
-``max_rows`` rows (the decode buckets) and hands larger ones to the XLA formulation it
-replaces (``fallback``), whose GEMMs win there. Which formats get one, and up to how many
-rows, is ``MAX_ROWS``: the rule measured side by side against XLA's paths on this machine
-(BENCHMARKS.md, "Native CPU kernels (issue 28)"). The choice is made at trace time from the
-batch's static row count, so a compiled program holds exactly one of the two.
+channel or block scales, int8 per channel, bf16). The decode kernels (few rows) decode bf16
+and fp8 to float32 in registers, with float32 activations and float32 accumulation; int4 and
+int8 do the same on CPUs without AVX512-VNNI; with it they run integer dots (W4A8:
+activations quantized to int8 per row per weight group; W8A8: per row), exact in int32,
+scaled in float32. With AMX, calls of many rows run tile kernels (``AMX``: AMX-BF16 for bf16,
+int4 and fp8 decoded to bf16 tiles, AMX-INT8 W8A8 for int8). Which formats get a native path,
+and up to how many rows, is ``max_rows()``: per instruction set (``AMX_MAX_ROWS`` with AMX,
+``MAX_ROWS`` without), measured side by side against XLA's paths on this machine
+(BENCHMARKS.md, "Native CPU kernels (issue 28)"); above it the XLA formulation the path
+replaces (``fallback``) runs. The choice is made at trace time from the batch's static row
+count, so a compiled program holds exactly one of the two.
 
 Only the dense form is native; the grouped-by-expert (ragged) form stays XLA's.
 """
@@ -23,19 +25,33 @@ import jax.numpy as jnp
 from jaxserve import native
 from jaxserve.quant.qweight import QuantizedWeight
 
-# Formats with a native path and the most rows it serves (measured, see the module docstring);
-# JAXSERVE_NATIVE_ROWS="int8=8,bf16=1" overrides entries (for measuring; 0 = XLA's path).
+ALL = 1 << 30  # "every row count"
+# Formats with a native path and the most rows it serves, per instruction set (measured, see
+# the module docstring); JAXSERVE_NATIVE_ROWS="int8=8,bf16=1" overrides entries (for measuring;
+# 0 = XLA's path). Without AMX the decode kernels serve the decode buckets:
 MAX_ROWS = {"int4": 8, "fp8": 8, "fp8_block": 8, "bf16": 4, "int8": 4}
+# With AVX512-VNNI the W4A8 kernel beat XLA's dequantizing int4 path up to 32 rows (3.2x at 16,
+# 3.3x at 32 with AMX off; level at 64), so it serves int4 there:
+VNNI_ROWS = {"int4": 32}
 # Without AVX512-VNNI int8's native kernel is the float W8A16 one: level with XLA's W8A8 dot at
 # 1 row and 0.6x of it at 4 (JAXSERVE_NATIVE_ISA=avx512 on the VNNI machine), so XLA's stays.
 NO_VNNI_ROWS = {"int8": 0}
+# With AMX the tile kernels take calls of native.status().amx_rows[family] rows and more, the
+# decode kernels the fewer: they beat XLA's paths up to 64 rows (bf16 1.4x at 32, fp8 2.6x at
+# 64, int8 1.2x at 32-64), level or behind at 256, so XLA's take over above 64 (int4: W4A8, 32).
+AMX_MAX_ROWS = {"int4": 32, "fp8": 64, "fp8_block": 64, "bf16": 64, "int8": 64}
 ROWS_ENV = "JAXSERVE_NATIVE_ROWS"
 
 
-def max_rows() -> dict[str, int]:
-    """MAX_ROWS for the kernels' instruction set, with the JAXSERVE_NATIVE_ROWS overrides."""
-    out = dict(MAX_ROWS)
-    if native.available() and native.status().isa != "avx512-vnni":
+def max_rows(isa: str | None = None) -> dict[str, int]:
+    """The rows each format's native path serves for the kernels' instruction set (that of
+    jaxserve.native unless given), with the JAXSERVE_NATIVE_ROWS overrides."""
+    if isa is None and native.available():
+        isa = native.status().isa
+    out = dict(AMX_MAX_ROWS if isa == "amx" else MAX_ROWS)
+    if isa == "avx512-vnni":
+        out.update(VNNI_ROWS)
+    elif isa != "amx":
         out.update(NO_VNNI_ROWS)
     for part in filter(None, (p.strip() for p in os.environ.get(ROWS_ENV, "").split(","))):
         fam, _, rows = part.partition("=")
@@ -43,13 +59,28 @@ def max_rows() -> dict[str, int]:
             raise ValueError(f"{ROWS_ENV}: {part!r} is not FAMILY=ROWS with FAMILY one of {sorted(KERNELS)}")
         out[fam] = int(rows)
     return out
+
+
 NUMERICS = "{kind}: stored bytes decoded to f32 in registers, f32 activations, f32 accumulation"
-# What the VNNI kernels (jaxserve.native, isa "avx512-vnni") do instead of NUMERICS.
+# What the VNNI kernels (jaxserve.native, isa "avx512-vnni", and "amx" below its tile rows) do
+# instead of NUMERICS.
 VNNI_NUMERICS = {
     "int4": ("W4A8", "activations quantized to int8 per row per weight group (d = amax/127, rint(x/d)), "
                      "int4 x int8 group dots exact in int32, times the weight and activation scales, f32 accumulation"),
     "int8": ("W8A8", "activations quantized to int8 per row (d = amax/127, rint(x/d)), int8 x int8 dots "
                      "exact in int32, times the weight and activation scales in f32"),
+}
+# The AMX tile kernels (isa "amx", from native.status().amx_rows[family] rows): the name's tail,
+# numerics. int4 has none by default: its bf16 tiles lost to the W4A8 VNNI kernel at every row
+# count measured (BENCHMARKS.md, issue 28, 2026-12-02), so it runs W4A8 at every row count.
+_TILES = "decoded to f32 (times the scale) and rounded to bf16, activations rounded to bf16, bf16 x bf16 " \
+         "products accumulated in f32 (AMX-BF16)"
+AMX = {
+    "bf16": ("bf16", "bf16 weights as they are, activations rounded to bf16, f32 accumulation (AMX-BF16)"),
+    "int4": ("int4-bf16", "int4 nibbles " + _TILES),
+    "fp8": ("fp8-bf16", "e4m3 weights " + _TILES),
+    "fp8_block": ("fp8-bf16", "e4m3 weights " + _TILES),
+    "int8": ("w8a8", VNNI_NUMERICS["int8"][1] + " (AMX-INT8)"),
 }
 
 
@@ -77,20 +108,29 @@ KERNELS = {"int4": ("w4a16", int4_dense), "fp8": ("fp8-w8a16", fp8_dense), "fp8_
            "int8": ("w8a16", int8_dense), "bf16": ("bf16-w16a32", bf16_dense)}
 
 
-def native_path(family: str, fallback, max_rows: int, isa: str):
-    """A Path running ``family``'s native kernel for <= max_rows rows, ``fallback`` above."""
+def native_path(family: str, fallback, max_rows: int, isa: str, amx_rows: int | None = None):
+    """A Path running ``family``'s native kernel for <= max_rows rows, ``fallback`` above; with
+    isa "amx" the tile kernel from amx_rows rows on (None: none; the C++ side picks by the same
+    count)."""
     kind, kernel = KERNELS[family]
 
     def dense(x, qw):
         return kernel(x, qw) if x.shape[0] <= max_rows else fallback.dense(x, qw)
 
-    if isa == "avx512-vnni" and family in VNNI_NUMERICS:
+    small = "avx512-vnni" if isa == "amx" else isa
+    if small == "avx512-vnni" and family in VNNI_NUMERICS:
         tag, text = VNNI_NUMERICS[family]
-        kind, what = tag.lower(), f"native {isa} {tag} kernel: {text}"
+        kind, what = tag.lower(), f"native {small} {tag} kernel: {text}"
     else:
-        what = NUMERICS.format(kind=f"native {isa} {kind} kernel")
-    numerics = f"<= {max_rows} rows: {what}; more rows: {fallback.name} ({fallback.numerics})"
-    return dataclasses.replace(fallback, name=f"cpu:native-{kind}", numerics=numerics, dense=dense)
+        what = NUMERICS.format(kind=f"native {small} {kind} kernel")
+    upto = "all rows" if max_rows >= ALL else f"<= {max_rows} rows"
+    tail = "" if max_rows >= ALL else f"; more rows: {fallback.name} ({fallback.numerics})"
+    if isa == "amx" and amx_rows is not None and max_rows >= amx_rows:
+        amx_kind, amx_text = AMX[family]
+        numerics = (f"{upto}: native kernels; < {amx_rows} rows: {what}; >= {amx_rows} rows: "
+                    f"native AMX tile kernel: {amx_text}{tail}")
+        return dataclasses.replace(fallback, name=f"cpu:native-amx-{amx_kind}", numerics=numerics, dense=dense)
+    return dataclasses.replace(fallback, name=f"cpu:native-{kind}", numerics=f"{upto}: {what}{tail}", dense=dense)
 
 
 def native_cpu_paths(paths: dict) -> dict:
@@ -98,7 +138,7 @@ def native_cpu_paths(paths: dict) -> dict:
     cannot run here: jaxserve.native says why, once)."""
     if not native.available():
         return {}
-    isa = native.status().isa
-    return {(f, "cpu"): native_path(f, paths[(f, "cpu")], rows, isa)
+    st = native.status()
+    amx = {f: (st.amx_rows or {}).get("fp8" if f == "fp8_block" else f) for f in KERNELS}
+    return {(f, "cpu"): native_path(f, paths[(f, "cpu")], rows, st.isa, amx[f])
             for f, rows in max_rows().items() if rows > 0 and (f, "cpu") in paths}
-

@@ -36,7 +36,7 @@ def test_the_library_is_built_and_runs_on_an_avx2_cpu():
     if os.environ.get(native.ENV) == "0" or not _cpu_has("avx2", "fma", "f16c"):
         pytest.skip("native kernels disabled or CPU without AVX2/FMA/F16C")
     assert native.available(), native.status().reason
-    assert native.status().isa in ("avx2", "avx512", "avx512-vnni")
+    assert native.status().isa in ("avx2", "avx512", "avx512-vnni", "amx")
 
 
 def rand(shape, seed, scale=1.0):
@@ -61,7 +61,7 @@ def test_kernel_against_float64_numpy(fmt, m, k, n):
     from jaxserve.quant.native_paths import KERNELS
     from jaxserve.quant.paths import family_of
 
-    if native.status().isa == "avx512-vnni" and fmt.startswith("int"):
+    if native.status().isa in ("avx512-vnni", "amx") and fmt.startswith("int"):
         pytest.skip("W4A8 / W8A8 on this CPU: tests/kernels/test_vnni_matmul.py (it runs this one without VNNI)")
     qw = quantize(rand((k, n), seed=k + n, scale=0.05), fmt)
     x = rand((m, k), seed=m)
@@ -85,10 +85,13 @@ def test_w8a8_is_exact_in_int32(m, k, n):
 
 @needs_native
 def test_registry_runs_native_for_decode_batches_and_xla_above():
-    from jaxserve.quant.native_paths import MAX_ROWS
+    """Without AMX (JAXSERVE_NATIVE_ISA=avx512-vnni where there is): native up to MAX_ROWS rows."""
+    from jaxserve.quant.native_paths import MAX_ROWS, native_path
 
-    path = PATHS[("int4", "cpu")]
-    kind = "w4a8" if native.status().isa == "avx512-vnni" else "w4a16"
+    isa = "avx512-vnni" if native.status().isa == "amx" else native.status().isa
+    path = native_path("int4", XLA_PATHS[("int4", "cpu")], MAX_ROWS["int4"], isa)
+    assert PATHS[("int4", "cpu")].ragged is XLA_PATHS[("int4", "cpu")].ragged
+    kind = "w4a8" if isa == "avx512-vnni" else "w4a16"
     assert path.name == f"cpu:native-{kind}" and path.ragged is XLA_PATHS[("int4", "cpu")].ragged
     qw = quantize(rand((64, 48), seed=1), "int4:g32")
     for rows, native_call in ((MAX_ROWS["int4"], True), (MAX_ROWS["int4"] + 1, False)):

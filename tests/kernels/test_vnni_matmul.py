@@ -22,7 +22,7 @@ from jaxserve.quant.native_paths import KERNELS
 
 ACC = 3e-6  # float32 scaling and accumulation, relative to the sum of |terms|
 
-needs_vnni = pytest.mark.skipif(native.status().isa != "avx512-vnni",
+needs_vnni = pytest.mark.skipif(native.status().isa not in ("avx512-vnni", "amx"),  # amx: below its tile rows
                                 reason=f"VNNI kernels not in use: {native.status().reason}")
 
 

@@ -1,5 +1,6 @@
-// jaxserve's native CPU matmul kernels for small batches (decode), reached from the jitted
-// programs as XLA FFI custom calls (registered for the CPU platform by jaxserve.native).
+// jaxserve's native CPU matmul kernels, reached from the jitted programs as XLA FFI custom calls
+// (registered for the CPU platform by jaxserve.native): decode kernels for small batches, and
+// on CPUs with AMX tile kernels for many rows (amx.inc; isa.inc says which run).
 //
 // Every kernel computes y[M, N] = x[M, K] . decode(w)[K, N] reading w as jaxserve stores it
 // (row-major [K, N], N contiguous), one strip of columns at a time, decoded in registers and
@@ -10,7 +11,10 @@
 //     decoded to float32, f32 activations, FMA into f32 accumulators held in registers while
 //     the strip walks K row by row (each stored row one contiguous run, prefetched ahead);
 //   integer kernels (vnni.inc, AVX512-VNNI): int4 groups as W4A8 and int8 as W8A8, the
-//     activations quantized to int8 in the kernel, vpdpbusd int32 dots, scales in f32.
+//     activations quantized to int8 in the kernel, vpdpbusd int32 dots, scales in f32;
+//   tile kernels (amx.inc, AMX-BF16 / AMX-INT8): B tiles packed per call from the stored bytes
+//     into a thread-local buffer (256 KiB per thread, or one 32-column panel
+//     where that is larger), 32 x 32 blocks of y.
 //
 // Formats (see jaxserve/quant/*.py for the layouts):
 //   int4 groups  w u8 [Kp/2, N] (group tile: low nibbles rows t*G+j, high rows t*G+G/2+j),
@@ -25,7 +29,10 @@
 // Threads: the panels are shared out over XLA's intra-op thread pool (the FFI ThreadPool) by
 // an atomic counter; the calling thread works too and waits only for panels already claimed,
 // so a task that starts late finds nothing left and nothing can deadlock.
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -131,6 +138,10 @@ struct Isa {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")
 #include "vnni.inc"
 #pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx512vbmi,amx-tile,amx-bf16,amx-int8,f16c,fma")
+#include "amx.inc"
+#pragma GCC pop_options
 }  // namespace avx512
 
 // ----------------------------------------------------------------------------- AVX2
@@ -168,23 +179,7 @@ struct Isa {
 #pragma GCC pop_options
 }  // namespace avx2
 
-// 3: AVX-512 with VNNI (the integer W4A8 / W8A8 kernels); 2: AVX-512 (F, BW, VL, DQ) with
-// F16C and FMA; 1: AVX2 with F16C and FMA; 0: none of these.
-int IsaLevel() {
-  static const int level = [] {
-    __builtin_cpu_init();
-    bool base = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    bool vnni = wide && __builtin_cpu_supports("avx512vnni");
-    // "avx2": do not use AVX-512; "avx512": AVX-512 without the VNNI kernels
-    const char* cap = std::getenv("JAXSERVE_NATIVE_ISA");
-    if (cap && std::strcmp(cap, "avx2") == 0) wide = vnni = false;
-    if (cap && std::strcmp(cap, "avx512") == 0) vnni = false;
-    return base ? (vnni ? 3 : wide ? 2 : 1) : 0;
-  }();
-  return level;
-}
+#include "isa.inc"
 
 #define JAXSERVE_ISA(CALL) (IsaLevel() >= 2 ? (void)(avx512::CALL) : (void)(avx2::CALL))
 
@@ -200,7 +195,9 @@ ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   int64_t M = xd[0], Kp = xd[1], N = wd[1];
   if (group < 2 || group % 2 || Kp % group || wd[0] * 2 != Kp || sd[0] != Kp / group || sd[1] != N)
     return ffi::Error::InvalidArgument("int4: shapes do not match the group layout");
-  if (IsaLevel() == 3 && group % 4 == 0)
+  if (UseAmx(kInt4, M))
+    avx512::amx::RunInt4(pool, x.typed_data(), M, Kp, w.typed_data(), N, s.typed_data(), group, y->typed_data());
+  else if (IsaLevel() >= 3 && group % 4 == 0)
     avx512::vnni::RunW4A8(pool, x.typed_data(), M, Kp, w.typed_data(), N, s.typed_data(), group, y->typed_data());
   else
     JAXSERVE_ISA(RunInt4(pool, x.typed_data(), M, Kp, w.typed_data(), N, s.typed_data(), group, y->typed_data()));
@@ -212,7 +209,9 @@ ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   auto xd = x.dimensions(), wd = w.dimensions(), sd = s.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1] || sd.size() != 2 || sd[0] != 1 || sd[1] != wd[1])
     return ffi::Error::InvalidArgument("int8: x [M, K], w [K, N], scales [1, N] expected");
-  if (IsaLevel() == 3)
+  if (UseAmx(kInt8, xd[0]))
+    avx512::amx::RunW8A8(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], s.typed_data(), y->typed_data());
+  else if (IsaLevel() >= 3)
     avx512::vnni::RunW8A8(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], s.typed_data(), y->typed_data());
   else
     JAXSERVE_ISA(RunInt8(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], s.typed_data(), y->typed_data()));
@@ -231,7 +230,10 @@ ffi::Error Fp8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   int64_t K = xd[1], N = wd[1];
   if (bk < 1 || bn < 1 || (bn > 1 && bn % 16) || sd[0] != (K + bk - 1) / bk || sd[1] != (N + bn - 1) / bn)
     return ffi::Error::InvalidArgument("fp8: scales do not match the scale block");
-  JAXSERVE_ISA(RunFp8(pool, x.typed_data(), xd[0], K, static_cast<const uint8_t*>(w.untyped_data()), N, s.typed_data(), bk, bn, y->typed_data()));
+  if (UseAmx(kFp8, xd[0]))
+    avx512::amx::RunFp8(pool, x.typed_data(), xd[0], K, static_cast<const uint8_t*>(w.untyped_data()), N, s.typed_data(), bk, bn, y->typed_data());
+  else
+    JAXSERVE_ISA(RunFp8(pool, x.typed_data(), xd[0], K, static_cast<const uint8_t*>(w.untyped_data()), N, s.typed_data(), bk, bn, y->typed_data()));
   return ffi::Error::Success();
 }
 
@@ -240,7 +242,9 @@ ffi::Error Bf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1]) return ffi::Error::InvalidArgument("bf16: bad shapes");
   const auto* bits = reinterpret_cast<const uint16_t*>(w.untyped_data());
-  if (IsaLevel() >= 2)
+  if (UseAmx(kBf16, xd[0]))
+    avx512::amx::RunBf16(pool, x.typed_data(), xd[0], xd[1], bits, wd[1], y->typed_data());
+  else if (IsaLevel() >= 2)
     avx512::split::RunBf16(pool, x.typed_data(), xd[0], xd[1], bits, wd[1], y->typed_data());
   else
     avx2::RunBf16(pool, x.typed_data(), xd[0], xd[1], bits, wd[1], y->typed_data());
@@ -251,7 +255,9 @@ ffi::Error ExactImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<f
                      ffi::ResultBuffer<ffi::S32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1]) return ffi::Error::InvalidArgument("w8a8: bad shapes");
-  if (IsaLevel() == 3)
+  if (UseAmx(kInt8, xd[0]))
+    avx512::amx::RunExact(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], y->typed_data());
+  else if (IsaLevel() >= 3)
     avx512::vnni::RunExactVnni(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], y->typed_data());
   else
     JAXSERVE_ISA(RunExact(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], y->typed_data()));
@@ -300,6 +306,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_w8a8_s32, ExactImpl,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
-// The instruction set the kernels run with: 3 AVX-512 + VNNI, 2 AVX-512, 1 AVX2 (+FMA, F16C),
+// The instruction set the kernels run with: 4 AMX (+ 3's), 3 AVX-512 + VNNI, 2 AVX-512, 1 AVX2 (+FMA, F16C),
 // 0 none (unusable).
 extern "C" int jaxserve_native_isa() { return IsaLevel(); }
+// The fewest rows a call of format f (0 bf16, 1 int8, 2 int4, 3 fp8) needs to run on the AMX
+// kernels (where the level is 4; 1 << 30: never).
+extern "C" int jaxserve_native_amx_rows(int f) { return int(AmxRows(std::clamp(f, 0, kFormats - 1))); }
+// Sets it for every format, -1 back to the defaults (a benchmark loads a second copy of the
+// library and turns AMX off in that copy).
+extern "C" void jaxserve_native_set_amx_rows(int rows) { amx_rows_set.store(rows, std::memory_order_relaxed); }
