@@ -6,6 +6,7 @@ import os
 
 from jaxserve.disagg.role import WorkerRole
 from jaxserve.engine.scheduler import SchedulerConfig
+from jaxserve.engine.speculative.gate import POLICIES as SPECULATIVE_POLICIES
 from jaxserve.kv import memory as kv_memory
 
 
@@ -86,7 +87,7 @@ class EngineConfig:
         "auto", "when a decode batch runs as a verify call: auto (when the tokens it is expected to emit over all "
                 "its rows, from each request's recent acceptance, reach the verify call's measured cost in decode "
                 "calls at that batch size; otherwise it decodes plainly) | always (every batch with a draft; no "
-                "pauses)", choices=("auto", "always"))
+                "pauses)", choices=SPECULATIVE_POLICIES)
     role: str = _field("both", "both | prefill (prefill and KV export only) | decode (decode weights only; "
                                "handed-off KV imported)", cli=False)
     kv_handoff_format: str | None = _field(None, "KV format a prefill worker's exports are compiled for at warm-up "
@@ -114,8 +115,9 @@ class EngineConfig:
             get_kv_format(self.kv_handoff_format)
         if self.speculative not in (None, "ngram", "mtp"):
             raise ValueError(f"speculative must be ngram or mtp, got {self.speculative!r}")
-        if self.speculative_policy not in ("auto", "always"):
-            raise ValueError(f"speculative_policy must be auto or always, got {self.speculative_policy!r}")
+        if self.speculative_policy not in SPECULATIVE_POLICIES:
+            raise ValueError(f"speculative_policy must be one of {SPECULATIVE_POLICIES}, "
+                             f"got {self.speculative_policy!r}")
         if self.num_speculative_tokens < 1 or not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("num_speculative_tokens must be >= 1 and 1 <= ngram_min <= ngram_max")
         if not 0 <= self.speculative_min_acceptance <= 1:

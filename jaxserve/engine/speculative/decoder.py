@@ -30,12 +30,11 @@ import numpy as np
 
 from jaxserve.executor.buckets import bucket
 from jaxserve.engine.sampler import penalty_inputs
-from jaxserve.engine.speculative.gate import Acceptance, BatchGate
+from jaxserve.engine.speculative.gate import POLICIES, Acceptance, BatchGate
 from jaxserve.engine.speculative.verify import verify_rows
 
 WINDOW = 16
 FIRST_BACKOFF, MAX_BACKOFF = 16, 512
-POLICIES = ("auto", "always")
 
 
 @dataclasses.dataclass

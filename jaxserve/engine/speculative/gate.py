@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import statistics
 
+POLICIES = ("auto", "always")  # speculative_policy: the gate decides, or every batch with a draft verifies
 PRIOR_WEIGHT = 2.0  # the engine's acceptance counts as this many tried drafts of a request's
 ROW_DECAY, ENGINE_DECAY = 0.8, 0.98  # per observation: a request's recent calls, the engine's longer history
 SAMPLES = 5
