@@ -185,7 +185,19 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> tuple[jnp.ndarray, float]:
 def rope_cos_sin(positions, inv_freq, scale: float):
     """positions [B, T] -> cos, sin [B, T, dim/2] (float32)."""
     ang = positions.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.cos(ang) * scale, jnp.sin(ang) * scale
+    return _computed_once(jnp.cos(ang) * scale), _computed_once(jnp.sin(ang) * scale)
+
+
+def _computed_once(table):
+    """``table`` read back through an identity row gather. XLA fuses a producer into each of its
+    consumers, duplicating it, unless it is expensive and the consumer reuses its elements; left
+    as they are, cos and sin were fused into every layer's q and k rotation and evaluated there
+    per element and head (XLA:CPU, SmolLM2 prefill: a sixth of the non-matmul time; an
+    optimization barrier does not stop it). A gather reuses elements, so the table is computed
+    once and each rotation fuses only the row loads."""
+    rows = table.reshape(-1, table.shape[-1])
+    idx = jax.lax.iota(jnp.int32, rows.shape[0])
+    return jnp.take(rows, idx, axis=0, unique_indices=True, indices_are_sorted=True, mode="clip").reshape(table.shape)
 
 
 def apply_rope(x, cos, sin, interleaved: bool):
