@@ -171,6 +171,25 @@ def usage(u) -> pb.Usage:
                     draft_tokens=u.draft_tokens, accepted_draft_tokens=u.accepted_draft_tokens)
 
 
+def generate_response(request_id: str, session_id: str, ids, texts, lps, ends) -> pb.GenerateResponse:
+    """A whole Generate reply from each choice's ids, texts, logprobs and end (reason, usage,
+    TTFT, total seconds): choice 0 in the top-level fields; with n > 1 every choice in `choices` and the
+    usage of all together (the prompt counted once)."""
+    (reason, u, ttft, total), n = ends[0], len(ends)
+    resp = pb.GenerateResponse(
+        request_id=request_id, session_id=session_id, token_ids=ids[0], text=texts[0],
+        finish_reason=FINISH_REASONS[reason], usage=usage(u),
+        timing=timing(ttft, total), logprobs=lps[0])
+    if n > 1:
+        resp.usage.completion_tokens = sum(e[1].completion_tokens for e in ends)
+        firsts = [e[2] for e in ends if e[2] is not None]
+        resp.timing.CopyFrom(timing(min(firsts) if firsts else None, max(e[3] for e in ends)))
+        resp.choices.extend(pb.Choice(index=i, token_ids=ids[i], text=texts[i], logprobs=lps[i],
+                                      finish_reason=FINISH_REASONS[ends[i][0]],
+                                      completion_tokens=ends[i][1].completion_tokens) for i in range(n))
+    return resp
+
+
 def token_logprobs(token_ids, logprobs) -> list[pb.TokenLogprob]:
     """Engine log-probs [(logprob, {id: logprob})] of `token_ids` -> TokenLogprob messages."""
     if logprobs is None:

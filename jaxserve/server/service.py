@@ -72,7 +72,8 @@ class JaxServeService(pb_grpc.JaxServeServicer):
                 elif isinstance(ev, TERMINAL):
                     ends[i] = terminal(ev)
             outcome = ends[0][0]
-            resp = self._response(stream, ids, ["".join(t) for t in text], lps, ends)
+            resp = convert.generate_response(stream.request_id, stream.session_id, ids, ["".join(t) for t in text], lps,
+                                            ends)
             return out.whole(resp, ["".join(t) for t in text]) if out else resp
         except ServeError as e:
             outcome = e.outcome
@@ -91,24 +92,6 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         finally:
             if not closed:
                 self._close(stream, "Generate", outcome)
-
-    @staticmethod
-    def _response(stream, ids, texts, lps, ends) -> pb.GenerateResponse:
-        """Choice 0 in the top-level fields; with n > 1 every choice in `choices` and the
-        usage of all together (the prompt counted once)."""
-        (reason, usage, ttft, total), n = ends[0], len(ends)
-        resp = pb.GenerateResponse(
-            request_id=stream.request_id, session_id=stream.session_id, token_ids=ids[0], text=texts[0],
-            finish_reason=convert.FINISH_REASONS[reason], usage=convert.usage(usage),
-            timing=convert.timing(ttft, total), logprobs=lps[0])
-        if n > 1:
-            resp.usage.completion_tokens = sum(e[1].completion_tokens for e in ends)
-            firsts = [e[2] for e in ends if e[2] is not None]
-            resp.timing.CopyFrom(convert.timing(min(firsts) if firsts else None, max(e[3] for e in ends)))
-            resp.choices.extend(pb.Choice(index=i, token_ids=ids[i], text=texts[i], logprobs=lps[i],
-                                          finish_reason=convert.FINISH_REASONS[ends[i][0]],
-                                          completion_tokens=ends[i][1].completion_tokens) for i in range(n))
-        return resp
 
     async def GenerateStream(self, request, context):
         """Writes with context.write so that a client that stops reading is noticed: each
