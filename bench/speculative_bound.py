@@ -1,0 +1,82 @@
+"""What n-gram speculation can give at most on bench/speculative.py's workloads, from the greedy
+outputs alone: an upper bound on its speedup, by draft length k and the verify call's cost.
+
+The engine generates each workload's prompts greedily without speculation (the formats given);
+then, for each k, the n-gram proposer (``NgramProposer``, the engine's) is replayed over prompt +
+output: at each step it proposes up to k tokens from the history, the accepted ones are the
+greedy output's next tokens it matches (greedy verification accepts exactly those), and the step
+emits them plus one. A step with no proposal is a plain decode step. With a plain step costing 1
+and a verify call c decode steps, the speedup is tokens / (verify calls x c + plain steps); at
+c = 1 (a verify call as cheap as a decode step) it is the proposer's bound whatever the kernels.
+
+    .venv/bin/python bench/speculative_bound.py --decode-weights int4:g32 --prefill-weights bf16 \\
+        --tied-head-weights bf16 --max-tokens 48 --k 3,4,8
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from speculative import prompts  # noqa: E402  (the same workloads)
+
+
+def replay(propose, k: int, prompt: list[int], out: list[int]) -> tuple[int, int, int]:
+    """(verify calls, tokens they emitted, plain steps) for one request's greedy output."""
+    calls = toks = plain = 0
+    i = 1  # the first token comes from prefill
+    while i < len(out):
+        draft = propose(prompt + out[:i], min(k, len(out) - i))
+        a = 0
+        while a < len(draft) and draft[a] == out[i + a]:
+            a += 1
+        if draft:
+            calls, toks = calls + 1, toks + a + 1
+        else:
+            plain += 1
+        i += a + 1
+    return calls, toks, plain
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--k", default="3,4,8")
+    ap.add_argument("--costs", default="1.0,1.3,1.5", help="verify call costs in decode steps")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--requests", default="1,8")
+    ap.add_argument("--decode-weights", default=None)
+    ap.add_argument("--prefill-weights", default=None)
+    ap.add_argument("--tied-head-weights", default=None)
+    args = ap.parse_args()
+    from jaxserve import LLM
+    from jaxserve.engine.sampling_params import SamplingParams
+    from jaxserve.engine.speculative.ngram import NgramProposer
+
+    llm = LLM(max_num_seqs=8, num_pages=256, decode_weights=args.decode_weights,
+              prefill_weights=args.prefill_weights, tied_head_weights=args.tied_head_weights)
+    costs = [float(c) for c in args.costs.split(",")]
+    print("| workload | requests | k | verify calls | plain steps | tokens per verify call | "
+          + " | ".join(f"speedup at c={c}" for c in costs) + " |")
+    print("|---|---|---|---|---|---|" + "---|" * len(costs))
+    for kind in ("repeat", "random"):
+        for n in (int(r) for r in args.requests.split(",")):
+            batch = prompts(llm, kind, n, np.random.default_rng(n))
+            outs = llm.generate(batch, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
+            ids = [llm.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p) for p in batch]
+            for k in (int(x) for x in args.k.split(",")):
+                propose = NgramProposer(k).propose
+                calls = toks = plain = 0
+                for p, o in zip(ids, outs):
+                    c, t, pl = replay(propose, k, p, list(o.token_ids))
+                    calls, toks, plain = calls + c, toks + t, plain + pl
+                total = toks + plain
+                speed = " | ".join(f"{total / (calls * c + plain):.2f}x" for c in costs)
+                print(f"| {kind} | {n} | {k} | {calls} | {plain} | {toks / max(calls, 1):.2f} | {speed} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
