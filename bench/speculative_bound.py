@@ -65,7 +65,7 @@ def main() -> int:
         for n in (int(r) for r in args.requests.split(",")):
             batch = prompts(llm, kind, n, np.random.default_rng(n))
             outs = llm.generate(batch, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
-            ids = [llm.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p) for p in batch]
+            ids = [llm.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]  # as LLM.generate encodes
             for k in (int(x) for x in args.k.split(",")):
                 propose = NgramProposer(k).propose
                 calls = toks = plain = 0

@@ -72,9 +72,9 @@ class JaxServeService(pb_grpc.JaxServeServicer):
                 elif isinstance(ev, TERMINAL):
                     ends[i] = terminal(ev)
             outcome = ends[0][0]
-            resp = convert.generate_response(stream.request_id, stream.session_id, ids, ["".join(t) for t in text], lps,
-                                            ends)
-            return out.whole(resp, ["".join(t) for t in text]) if out else resp
+            texts = ["".join(t) for t in text]
+            resp = convert.generate_response(stream.request_id, stream.session_id, ids, texts, lps, ends)
+            return out.whole(resp, texts) if out else resp
         except ServeError as e:
             outcome = e.outcome
             closed = self._close(stream, "Generate", outcome)  # counted before the client sees the status
