@@ -1,5 +1,7 @@
 """Cancellation, deadlines and Abort free every page at once; health follows warm-up;
-reflection lists the service; the metrics endpoint moves."""
+reflection lists the service; the metrics endpoint moves; what lives at SERVING is frozen out
+of the garbage collector's walk."""
+import gc
 import threading
 import time
 
@@ -94,6 +96,14 @@ def test_health_is_serving_only_after_warmup(served):
     assert served.boot["info_while_warming"] == "MockForCausalLM"
     assert served.boot["health_after"] == "SERVING"
     assert served.client.health("jaxserve.v1.JaxServe") == "SERVING"
+
+
+def test_what_lives_at_serving_is_out_of_the_collectors_walk(served):
+    # A full collection walks every tracked object; what the server made before SERVING is
+    # frozen (a full collection's pause under load was the well-behaved client's p99).
+    loop = served.server.engine_loop
+    assert gc.is_tracked(loop) and gc.get_freeze_count() > 0
+    assert not any(o is loop for g in range(3) for o in gc.get_objects(generation=g))
 
 
 def test_reflection_lists_and_describes_the_service(served):
