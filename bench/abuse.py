@@ -4,6 +4,7 @@
     python bench/abuse.py --server-root /tmp/main-export   # another checkout's server (before/after)
     python bench/abuse.py --model default                  # the embedded SmolLM2-135M (slower)
     python bench/abuse.py --serve-arg=--client-scheduling=fifo
+    python bench/abuse.py --pin --abuse churn              # the abusers on a CPU of their own
 
 Starts `jaxserve serve` (gRPC and the OpenAI HTTP API) with two API keys: one for the
 well-behaved client, one shared by every abuser (so, with keys, they are two clients for fair
@@ -16,11 +17,11 @@ of the issue beside it:
 - huge_top_k: /v1/completions with top_k 2147483648, repeated;
 - malformed: JSON nested 100k deep, a lone surrogate, stream_options "x", 401-digit
   temperature / penalties over HTTP, random bytes as a gRPC Generate.
-The well-behaved client sends gRPC Generate calls one after another (20 prompt ids, 16
-tokens), and the server's own timing of them (time to first token and total from the call's
+The well-behaved client (a process of its own, with its own event loop) sends gRPC Generate
+calls one after another (20 prompt ids, 16 tokens), and the server's own timing of them (time to first token and total from the call's
 arrival at the server: what the engine's queue and steps cost, without the event loop's
 delivery). `alone` is measured again at the end (`alone_again`: how much the machine's own load
-drifted meanwhile). Per phase: its p50/p99 latency and the ratio to `alone` (goal <= 2), its failed
+drifted meanwhile). Per phase: its p50/p90/p99/worst latency and the ratio to `alone` (goal <= 2), its failed
 calls, the abusers' outcomes (status codes), and the KV pages still held once the abuse has
 stopped (GetModelInfo kv_pages.used after --settle-s at most; goal 0). A benchmark, not a
 test: the figures depend on the machine (and on its load, printed with them).
@@ -31,6 +32,7 @@ import argparse
 import asyncio
 import collections
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -71,6 +73,10 @@ def parse_args(argv=None):
     p.add_argument("--chat-clients", type=int, default=4)
     p.add_argument("--chat-messages", type=int, default=10_000)
     p.add_argument("--body-mb", type=float, default=100.0)
+    p.add_argument("--pin", action="store_true",
+                   help="the server on every CPU but the last, this bench (the well-behaved client and every "
+                        "abuser) on the last: the abusers' own CPU kept apart from the server's, as when they "
+                        "run on other machines")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "abuse.json"))
     return p.parse_args(argv)
@@ -84,8 +90,15 @@ def start_server(args, model: str | None):
            "--kv-format", "bf16", *(["--model", model] if model else []), *args.serve_arg]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env |= {"PYTHONDONTWRITEBYTECODE": "1", "JAXSERVE_API_KEY": f"{GOOD_KEY},{ABUSE_KEY}"}
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin and len(cpus) < 2:
+        raise SystemExit("--pin needs two CPUs at least")
+    server_cpus, bench_cpus = (cpus[:-1], cpus[-1:]) if args.pin else (cpus, cpus)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=args.server_root, env=env)
+                            cwd=args.server_root, env=env,
+                            preexec_fn=lambda: os.sched_setaffinity(0, server_cpus))
+    os.sched_setaffinity(0, bench_cpus)
+    args.cpus_of = {"server": server_cpus, "bench": bench_cpus}
     lines, http = [], None
     for line in proc.stdout:
         lines.append(line)
@@ -159,7 +172,7 @@ class Phase:
         self.outcomes = collections.Counter()
 
 
-async def good_client(target: str, phase: Phase, stop: asyncio.Event, rng: random.Random) -> None:
+async def good_client(target: str, phase: Phase, stop: asyncio.Event, rng: random.Random, ready=None) -> None:
     async with AsyncClient(target, timeout=120, api_key=GOOD_KEY,
                            channel=grpc.aio.insecure_channel(target, options=OWN_CONNECTION)) as client:
         while not stop.is_set():
@@ -173,10 +186,43 @@ async def good_client(target: str, phase: Phase, stop: asyncio.Event, rng: rando
                 if phase.measuring:
                     phase.good_failed[e.code().name] += 1
                 await asyncio.sleep(0.05)
+            if ready is not None:
+                ready.set()
             if ok and phase.measuring:
                 phase.latency.append(time.perf_counter() - t)
                 phase.server_ttft.append(r.timing.time_to_first_token_s)
                 phase.server_total.append(r.timing.total_s)
+
+
+class _RemotePhase(Phase):
+    """The good client's phase in its own process: measuring while the parent's event is set."""
+
+    def __init__(self, measuring):
+        super().__init__("good")
+        self._measuring = measuring
+
+    measuring = property(lambda self: self._measuring.is_set(), lambda self, v: None)
+
+
+def good_client_process(target: str, seed: float, ready, measuring, stop, out) -> None:
+    """The well-behaved client in a process of its own (its own event loop and gRPC poller: a
+    client on another machine), so the abusers' event loop does not delay what it measures."""
+    phase = _RemotePhase(measuring)
+
+    async def main():
+        done = asyncio.Event()
+
+        async def watch():
+            while not stop.is_set():
+                await asyncio.sleep(0.02)
+            done.set()
+
+        watcher = asyncio.ensure_future(watch())
+        await good_client(target, phase, done, random.Random(seed), ready)
+        await watcher
+
+    asyncio.run(main())
+    out.put((phase.latency, phase.server_ttft, phase.server_total, dict(phase.good_failed)))
 
 
 async def churn(args, target, phase: Phase, stop: asyncio.Event, rng: random.Random) -> None:
@@ -286,21 +332,30 @@ async def pages_used(target: str) -> int | None:
 
 async def run_phase(kind: str, args, target, http, rng) -> Phase:
     phase, stop = Phase(kind), asyncio.Event()
-    tasks = [asyncio.ensure_future(good_client(target, phase, stop, random.Random(rng.random())))]
-    if kind != "alone":
-        tasks += [asyncio.ensure_future(c) for c in abusers(kind, args, target, http, phase, stop, rng)]
+    mp = multiprocessing.get_context("spawn")
+    ready, measuring, good_stop, out = mp.Event(), mp.Event(), mp.Event(), mp.Queue()
+    good = mp.Process(target=good_client_process, args=(target, rng.random(), ready, measuring, good_stop, out))
+    good.start()
+    if not await asyncio.to_thread(ready.wait, 120):
+        raise RuntimeError("the well-behaved client's first call did not return in 120 s")
+    tasks = [asyncio.ensure_future(c) for c in abusers(kind, args, target, http, phase, stop, rng)] if kind != "alone" else []
     await asyncio.sleep(args.ramp_s)
-    phase.measuring = True
+    measuring.set()
     share = CpuShare(args.server_pid)
     await asyncio.sleep(args.phase_s)
-    phase.measuring = False
+    measuring.clear()
     phase.cores = share.cores()
     stop.set()
+    good_stop.set()
     t = time.monotonic()
-    done, pending = await asyncio.wait(tasks, timeout=10)
-    for task in pending:  # a long call in flight (a 100 MB body): the client goes away
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    if tasks:
+        done, pending = await asyncio.wait(tasks, timeout=10)
+        for task in pending:  # a long call in flight (a 100 MB body): the client goes away
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    phase.latency, phase.server_ttft, phase.server_total, failed = await asyncio.to_thread(out.get, True, 150)
+    phase.good_failed.update(failed)
+    await asyncio.to_thread(good.join, 30)
     used = await pages_used(target)
     while used and time.monotonic() - t < args.settle_s:
         await asyncio.sleep(0.25)
@@ -310,10 +365,12 @@ async def run_phase(kind: str, args, target, http, rng) -> Phase:
 
 
 def pct(xs) -> dict:
+    """p50, p90, p99 and the worst in ms. With a phase's ~100 calls the p99 is its worst call
+    or next to it: the p90 says whether a slow tail or one pause."""
     if not xs:
         return {"n": 0}
-    return {"p50_ms": round(float(np.percentile(xs, 50)) * 1e3, 1),
-            "p99_ms": round(float(np.percentile(xs, 99)) * 1e3, 1), "n": len(xs)}
+    return {**{f"p{q}_ms": round(float(np.percentile(xs, q)) * 1e3, 1) for q in (50, 90, 99)},
+            "max_ms": round(max(xs) * 1e3, 1), "n": len(xs)}
 
 
 async def run(args, target, http) -> list[Phase]:
@@ -353,17 +410,19 @@ def main(argv=None) -> int:
     for p in phases:
         lat = pct(p.latency)
         ratio = {f"{q}_ratio": round(lat[f"{q}_ms"] / alone[f"{q}_ms"], 2) if lat["n"] and alone["n"] else None
-                 for q in ("p50", "p99")}
-        server = {f"server_{w}_p50_ms": round(float(np.percentile(xs, 50)) * 1e3, 1) if xs else None
-                  for w, xs in (("ttft", p.server_ttft), ("total", p.server_total))}
+                 for q in ("p50", "p90", "p99")}
+        server = {f"server_{w}_p{q}_ms": round(float(np.percentile(xs, q)) * 1e3, 1) if xs else None
+                  for w, xs in (("ttft", p.server_ttft), ("total", p.server_total)) for q in (50, 99)}
         rows[p.name] = dict(good=lat, **ratio, **server, good_failed=dict(p.good_failed), pages_held_after=p.pages_held_after,
-                            settle_s=p.settle_s, cores_used=p.cores, abuser_outcomes=dict(sorted(p.outcomes.items())))
+                            settle_s=p.settle_s, cores_used=p.cores, abuser_outcomes=dict(sorted(p.outcomes.items())),
+                            latency_ms=[round(x * 1e3, 1) for x in p.latency])
     report = dict(server_root=args.server_root, model=args.model or "tiny (random 2-layer Llama, SmolLM2 tokenizer)",
-                  serve_args=args.serve_arg, phase_s=args.phase_s, server_start_s=round(start_s, 1),
+                  serve_args=args.serve_arg, phase_s=args.phase_s, pinned=args.pin, cpus_of=args.cpus_of, server_start_s=round(start_s, 1),
                   server_alive_at_end=alive, load_avg=os.getloadavg(), cpus=os.cpu_count(),
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), phases=rows,
                   server_log_tail=list(getattr(proc, "log_tail", []))[-20:])
-    print(json.dumps({k: v for k, v in report.items() if k != "server_log_tail"}, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k != "server_log_tail"} |
+                     {"phases": {n: {k: v for k, v in r.items() if k != "latency_ms"} for n, r in rows.items()}}, indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     return 0
