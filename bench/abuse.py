@@ -121,8 +121,7 @@ def threading_drain(proc) -> None:
 
 
 def tiny_model() -> str:
-    sys.path.insert(0, str(REPO / "tests" / "server"))
-    from tiny_model import build_tiny_text_model
+    from tests.server.tiny_model import build_tiny_text_model
 
     return build_tiny_text_model(Path(tempfile.mkdtemp(prefix="jaxserve_abuse_")) / "tiny")
 

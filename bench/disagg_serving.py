@@ -136,8 +136,7 @@ def prompts_for(rng, n: int, length: int, vocab: int) -> list[list[int]]:
 def start(args) -> tuple[dict, list[Proc]]:
     model = args.model
     if args.tiny:
-        sys.path.insert(0, str(REPO / "tests" / "server"))
-        from tiny_model import build_tiny_text_model
+        from tests.server.tiny_model import build_tiny_text_model
 
         model = build_tiny_text_model(Path(tempfile.mkdtemp(prefix="jaxserve_disagg_")) / "tiny")
     procs, targets = [], {}

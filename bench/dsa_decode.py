@@ -29,7 +29,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 
 def parse_args(argv=None):
@@ -50,7 +49,7 @@ def parse_args(argv=None):
 
 
 def build(tmp: Path, args, max_len: int) -> tuple[str, str]:
-    from hf_models import build_glm_moe_dsa
+    from tests.hf_models import build_glm_moe_dsa
 
     sparse = tmp / "sparse"
     build_glm_moe_dsa(sparse, hidden_size=args.hidden, num_hidden_layers=args.layers, index_topk=args.index_topk,

@@ -39,8 +39,8 @@ ENGINE = ["--kv-format", "float32", "--num-pages", "256", "--page-size", "16", "
 
 
 def tiny_model() -> str:
-    sys.path.insert(0, str(REPO / "tests" / "server"))
-    from tiny_model import build_tiny_text_model
+    sys.path.insert(0, str(REPO))  # the test suite's tiny model: tests.server.tiny_model
+    from tests.server.tiny_model import build_tiny_text_model
 
     return build_tiny_text_model(Path(tempfile.mkdtemp(prefix="jaxserve_iso_")) / "tiny")
 

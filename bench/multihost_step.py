@@ -33,8 +33,7 @@ ENGINE = dict(num_pages=128, page_size=16, max_num_seqs=8, max_prefill_seqs=2, p
 
 
 def build_model(path: Path) -> None:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from hf_models import build_deepseek_v3
+    from tests.hf_models import build_deepseek_v3
 
     build_deepseek_v3(path, num_hidden_layers=4, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                       num_attention_heads=8, num_key_value_heads=8, n_routed_experts=16, vocab_size=4096,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "server"))
-from tiny_model import build_tiny_text_model  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.server.tiny_model import build_tiny_text_model  # noqa: E402
 
 from jaxserve import LLM  # noqa: E402
 from jaxserve.engine.sampling_params import SamplingParams  # noqa: E402

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from hf_models import build_llama
+from tests.hf_models import build_llama
 from jaxserve.bench.measure import percentile, summary
 from jaxserve.bench.offline import fitted_max_model_len, main, run_workload
 from jaxserve.bench.workload import make_workload, warmup_workload

@@ -94,7 +94,7 @@ def test_the_default_model_runs_the_cpu_preset_only_when_nothing_is_asked(cmd):
 
 
 def test_default_preset_resolves_to_the_cpu_preset_on_cpu(tmp_path):
-    from hf_models import build_llama
+    from tests.hf_models import build_llama
     from jaxserve import LLM
     from jaxserve.llm import PRESETS
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from hf_models import build_deepseek_v3
+from tests.hf_models import build_deepseek_v3
 from jaxserve.config import ConfigError
 from jaxserve.models import config_from_dict
 from jaxserve.loader import CheckpointError, load_model

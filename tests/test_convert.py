@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hf_models import build_deepseek_v3
+from tests.hf_models import build_deepseek_v3
 from jaxserve import LLM
 from jaxserve.checkpoint import orbax_io
 from jaxserve.checkpoint.convert import convert, register
@@ -156,7 +156,7 @@ def test_bare_llm_takes_the_checkpoint_formats(converted):
 def test_prequantized_source_and_reconversion(tmp_path):
     """An int4 (compressed-tensors) source keeps its experts as they are in both phases (stored
     once); re-converting a jaxserve checkpoint with its own formats is bit-exact."""
-    from test_prequantized import make_prequantized
+    from tests.test_prequantized import make_prequantized
 
     base = tmp_path / "base"
     build_deepseek_v3(base, num_hidden_layers=2, seed=9)

@@ -131,7 +131,7 @@ def test_cli_engine_flags(capsys):
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    from hf_models import build_llama
+    from tests.hf_models import build_llama
 
     path = tmp_path_factory.mktemp("exp_llama")
     # head_dim 32, one KV head: fp8 pages (values + f32 scales) are 72/128 of bf16 pages.

@@ -24,7 +24,7 @@ from jaxserve.quant.linear import (BACKENDS, describe, embedding, expert_linear,
 from jaxserve.quant.paths import PATHS, XLA_PATHS, expert_of_row, family_of, tile_cols
 from jaxserve.quant.native_paths import max_rows
 from jaxserve.quant.phase import PhaseWeight
-from quant_reference import np_dequant32
+from tests.quant_reference import np_dequant32
 
 FORMATS = ["bf16", "fp8_e4m3", "fp8:block128", "int8", "int4:g32", "int4:g128"]
 ACC = 2e-6  # float32 accumulation over K <= 4096 terms, relative to |x| @ |w|

@@ -24,7 +24,7 @@ import torch
 from flax import nnx
 from safetensors.torch import load_file, save_file
 
-from hf_models import build_deepseek_v3
+from tests.hf_models import build_deepseek_v3
 from jaxserve import LLM
 from jaxserve.config import ConfigError
 from jaxserve.loader import CheckpointError, load_config, load_model

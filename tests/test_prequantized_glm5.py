@@ -20,12 +20,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_models import build_glm_moe_dsa
+from tests.hf_models import build_glm_moe_dsa
 from jaxserve import LLM
 from jaxserve.loader import load_model
 from jaxserve.quant.phase import PhaseWeight
-from quant_reference import np_dequant32
-from test_prequantized import CT_CONFIG, flat_values, make_prequantized
+from tests.quant_reference import np_dequant32
+from tests.test_prequantized import CT_CONFIG, flat_values, make_prequantized
 
 PROMPT = [int(x) for x in np.random.RandomState(0).randint(2, 256, size=40)]
 KW = dict(kv_format="float32", num_pages=64, page_size=8)

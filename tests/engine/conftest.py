@@ -1,6 +1,6 @@
 import pytest
 
-from hf_models import build_deepseek_v3
+from tests.hf_models import build_deepseek_v3
 
 
 @pytest.fixture(scope="session")

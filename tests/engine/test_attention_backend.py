@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from hf_models import build_glm4_moe
+from tests.hf_models import build_glm4_moe
 from jaxserve import LLM
 from jaxserve.engine.sampling_params import SamplingParams
 

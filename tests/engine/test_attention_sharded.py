@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from hf_models import build_glm4_moe
+from tests.hf_models import build_glm4_moe
 from jaxserve import LLM
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.sharding import MODEL_AXIS

@@ -107,7 +107,7 @@ def test_bad_digest_fails_closed_or_recomputes(engines):
 
 
 def test_fingerprint_covers_weights_and_declared_formats(tiny_ckpt, tmp_path, engines):
-    from hf_models import build_deepseek_v3
+    from tests.hf_models import build_deepseek_v3
 
     from jaxserve import LLM
 

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from hf_models import build_glm4_moe
+from tests.hf_models import build_glm4_moe
 from jaxserve import LLM
 from jaxserve.kv.memory import parse_size
 from jaxserve.planner.plan import plan
@@ -80,8 +80,8 @@ def test_plan_weights_equal_what_the_engine_allocates(tmp_path, capsys):
     """`jaxserve plan` on a checkpoint gives the bytes the engine allocates when it serves it as
     shipped: bf16 (MLA and GQA), fp8 block-quantized, and compressed-tensors int4 experts (whose
     bf16 scales stay bf16)."""
-    from hf_models import build_deepseek_v3
-    from test_prequantized import make_prequantized
+    from tests.hf_models import build_deepseek_v3
+    from tests.test_prequantized import make_prequantized
 
     build_deepseek_v3(tmp_path / "base", num_hidden_layers=2, intermediate_size=192, seed=3)
     build_glm4_moe(tmp_path / "glm", num_hidden_layers=2)

@@ -9,7 +9,7 @@ from jaxserve import LLM
 from jaxserve.engine.llm_engine import EngineConfig
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.quant.phase import quantize_state, state_nbytes
-from quant_reference import dense_leaves
+from tests.quant_reference import dense_leaves
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 8, 9, 10, 11, 12, 13, 60, 61, 62, 63]
 KW = dict(kv_format="float32", num_pages=32, page_size=8, max_num_seqs=4)

@@ -7,7 +7,7 @@ import jax
 import pytest
 from jax import monitoring
 
-from hf_models import build_llama
+from tests.hf_models import build_llama
 from jaxserve import LLM
 from jaxserve.executor.program_cache import MAGIC, ProgramCache, program_key, runtime_parts
 from jaxserve.executor.programs import ProgramSet

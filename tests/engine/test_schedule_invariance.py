@@ -18,7 +18,7 @@ the log-probs must be bitwise equal across batch sizes and chunk buckets too."""
 import numpy as np
 import pytest
 
-from hf_models import build_glm4_moe
+from tests.hf_models import build_glm4_moe
 from jaxserve import LLM
 from jaxserve.engine.sampling_params import SamplingParams
 

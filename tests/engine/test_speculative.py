@@ -9,7 +9,7 @@
 import numpy as np
 import pytest
 
-from hf_models import build_glm_moe_dsa, build_llama
+from tests.hf_models import build_glm_moe_dsa, build_llama
 from jaxserve import LLM
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.sampling_params import SamplingParams

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from hf_models import build_llama
+from tests.hf_models import build_llama
 from jaxserve import LLM
 from jaxserve.checkpoint.gguf import default_model_dir
 from jaxserve.engine.sampling_params import SamplingParams

@@ -15,7 +15,7 @@ import types
 import numpy as np
 import pytest
 
-from hf_models import build_llama
+from tests.hf_models import build_llama
 from jaxserve import LLM
 from jaxserve.engine.outputs import StepRecord
 from jaxserve.engine.sampling_params import SamplingParams

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_models import add_mtp_layer, build_glm_moe_dsa
+from tests.hf_models import add_mtp_layer, build_glm_moe_dsa
 from jaxserve import LLM
 from jaxserve.config import ConfigError
 from jaxserve.engine.sampling_params import SamplingParams

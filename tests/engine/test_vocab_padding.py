@@ -8,7 +8,7 @@ untied heads; the untied one also through an int8 decode copy of the padded head
 import numpy as np
 import pytest
 
-from hf_models import build_llama
+from tests.hf_models import build_llama
 from jaxserve import LLM
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.sharding import ShardingError, pad_vocab, padded_vocab_size

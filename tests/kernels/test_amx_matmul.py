@@ -24,7 +24,7 @@ from jaxserve import native
 from jaxserve.quant import quantize
 from jaxserve.quant.native_paths import KERNELS
 from jaxserve.quant.paths import family_of
-from quant_reference import np_dequant32
+from tests.quant_reference import np_dequant32
 
 ACC = 3e-6  # float32 accumulation, relative to the sum of |terms|
 
@@ -109,8 +109,7 @@ def test_exact_s32_tiles(m, k, n):
 def test_every_format_on_the_tiles_from_one_row():
     """JAXSERVE_NATIVE_AMX_ROWS=1 sends every call to the AMX kernels (a subprocess): 1 and 5
     rows, and int4's bf16-tile kernel (off by default) on every shape."""
-    code = ("import sys; sys.path.insert(0, 'tests'); sys.path.insert(0, 'tests/kernels')\n"
-            "import test_amx_matmul as t\n"
+    code = ("import tests.kernels.test_amx_matmul as t\n"
             "for m, k, n in [(1, 200, 77), (5, 1000, 200)] + t.SHAPES:\n"
             "    for f in t.BF16_FORMATS: t.check_bf16_tiles(f, m, k, n)\n"
             "    t.check_w8a8(m, k, n); t.check_exact(m, k, n)\n"

@@ -18,7 +18,7 @@ import pytest
 from jaxserve import native
 from jaxserve.quant import quantize
 from jaxserve.quant.paths import PATHS, XLA_PATHS
-from quant_reference import np_dequant32
+from tests.quant_reference import np_dequant32
 
 ACC = 2e-6  # float32 accumulation, relative to |x| @ |w|
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_models import build_deepseek_v3, torch_logprobs as ref_logprobs
+from tests.hf_models import build_deepseek_v3, torch_logprobs as ref_logprobs
 from jaxserve import LLM
 
 PROMPT = [int(x) for x in np.random.RandomState(0).randint(2, 256, size=21)]

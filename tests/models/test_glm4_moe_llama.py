@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_models import build_glm4_moe, build_llama
+from tests.hf_models import build_glm4_moe, build_llama
 from jaxserve import LLM
 
 PROMPT = [int(x) for x in np.random.RandomState(3).randint(2, 256, size=19)]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_models import build_glm_moe_dsa, paged_decode_logits, torch_logprobs as ref_logprobs
+from tests.hf_models import build_glm_moe_dsa, paged_decode_logits, torch_logprobs as ref_logprobs
 from jaxserve import LLM
 from jaxserve.config import ConfigError
 from jaxserve.kv.formats import get_kv_format

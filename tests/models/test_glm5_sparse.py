@@ -5,7 +5,7 @@ and prefill programs on 8 devices lowered for CUDA with the sparse Triton kernel
 import numpy as np
 import pytest
 
-from hf_models import build_glm_moe_dsa, paged_decode_logits, torch_logprobs as ref_logprobs
+from tests.hf_models import build_glm_moe_dsa, paged_decode_logits, torch_logprobs as ref_logprobs
 from jaxserve import LLM
 from jaxserve.kv.formats import get_kv_format
 

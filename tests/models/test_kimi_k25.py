@@ -15,14 +15,14 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from hf_models import build_deepseek_v3, build_kimi_k25
+from tests.hf_models import build_deepseek_v3, build_kimi_k25
 from jaxserve import LLM
 from jaxserve.cli import main as jaxserve_main
 from jaxserve.config import ConfigError
 from jaxserve.loader import CheckpointError, load_config, load_model
 from jaxserve.planner.inventory import count_params
 from jaxserve.quant.phase import PhaseWeight
-from test_prequantized import make_prequantized
+from tests.test_prequantized import make_prequantized
 
 PROMPT = [int(x) for x in np.random.RandomState(1).randint(2, 256, size=19)]
 KW = dict(dtype="float32", kv_format="float32", num_pages=32, page_size=8)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_models import add_mtp_layer, build_glm_moe_dsa
+from tests.hf_models import add_mtp_layer, build_glm_moe_dsa
 from jaxserve.kv.formats import get_kv_format
 from jaxserve.loader import load_model
 from jaxserve.models.attention_backends import XLA

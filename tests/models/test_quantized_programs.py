@@ -16,10 +16,10 @@ import pytest
 import jax.numpy as jnp
 import torch
 
-from hf_models import build_deepseek_v3, build_glm4_moe, build_llama
+from tests.hf_models import build_deepseek_v3, build_glm4_moe, build_llama
 from jaxserve import LLM
 from jaxserve.step_batch import StepBatch
-from quant_reference import dense_leaves
+from tests.quant_reference import dense_leaves
 
 PROMPT = [int(x) for x in np.random.RandomState(7).randint(2, 256, size=21)]
 # quantize_tied_head: the tied family's table is stored as its head in the format (the others have none)

@@ -2,7 +2,7 @@
 (prefill reading the decode copy included), the loaded dtype, and the one KV pool's format."""
 import pytest
 
-from hf_models import build_llama
+from tests.hf_models import build_llama
 from jaxserve import LLM
 from jaxserve.server.convert import model_info
 

@@ -67,7 +67,7 @@ def group_env() -> dict:
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
-    from hf_models import build_deepseek_v3
+    from tests.hf_models import build_deepseek_v3
 
     path = tmp_path_factory.mktemp("tiny_moe")
     build_deepseek_v3(path, num_hidden_layers=2, seed=5)
@@ -77,7 +77,7 @@ def moe(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gqa(tmp_path_factory):
     """A tiny Llama with 8 KV heads: its pages split by head over the 8 devices (4 per process)."""
-    from hf_models import build_llama
+    from tests.hf_models import build_llama
 
     path = tmp_path_factory.mktemp("tiny_gqa")
     build_llama(path, num_hidden_layers=2, seed=6, num_attention_heads=8, num_key_value_heads=8, vocab_size=512)

@@ -5,7 +5,6 @@ use text prompts and still run in seconds on a CPU. Needs torch + transformers (
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -13,10 +12,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 
 def build_tiny_text_model(path, seed: int = 3) -> str:
     """Write the model into `path` (created) and return it as a string."""
-    tests_dir = str(Path(__file__).resolve().parents[1])
-    if tests_dir not in sys.path:  # hf_models lives in tests/ (also when imported from bench/)
-        sys.path.insert(0, tests_dir)
-    from hf_models import build_llama
+    from tests.hf_models import build_llama
 
     from jaxserve.checkpoint.gguf import default_model_dir
     from jaxserve.tokenizer import Tokenizer
