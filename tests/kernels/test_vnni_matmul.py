@@ -56,10 +56,11 @@ def check(y, ref, mag):
 
 
 SHAPES = [(1, 200, 77), (3, 1000, 200), (5, 96, 64), (8, 64, 136), (9, 130, 300)]
+W4_SHAPES = SHAPES + [(13, 160, 700), (17, 64, 129)]  # rows past one shared unpacking (8)
 
 
 @needs_vnni
-@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("m,k,n", W4_SHAPES)
 @pytest.mark.parametrize("fmt", ["int4:g32", "int4:g128"])
 def test_w4a8_against_numpy(fmt, m, k, n):
     qw = quantize(rand((k, n), seed=k + n, scale=0.05), fmt)
@@ -73,6 +74,20 @@ def test_w4a8_against_numpy(fmt, m, k, n):
     terms = xs.astype(np.float64) * np.asarray(qw.scales, np.float64)[None] * dots
     y = jax.jit(KERNELS["int4"][1])(jnp.asarray(x), qw)
     check(y, terms.sum(axis=1), np.abs(terms).sum(axis=1))
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", ["int4:g32", "int4:g128"])
+def test_w4a8_rows_do_not_depend_on_the_batch(fmt):
+    """A row's W4A8 result is bit for bit the same alone and among 2..17 rows, whichever way
+    the kernel groups the rows (one at a time, chunks of 4, chunks sharing one unpacking of the
+    weights): what makes a verify call's and a batch's tokens the same as a lone decode's."""
+    qw = quantize(rand((256, 900), seed=7, scale=0.05), fmt)
+    f = jax.jit(KERNELS["int4"][1])
+    x = rand((17, 256), seed=3)
+    alone = np.concatenate([np.asarray(f(jnp.asarray(x[i : i + 1]), qw)) for i in range(17)])
+    for m in (2, 4, 5, 8, 9, 12, 13, 16, 17):
+        np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[:m]), qw)), alone[:m], err_msg=f"{m} rows")
 
 
 @needs_vnni
