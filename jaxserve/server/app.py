@@ -26,7 +26,7 @@ from jaxserve.server.guard import RequestGuard
 from jaxserve.server.http_server import HttpServer, HttpTls
 from jaxserve.server.limits import ServeLimits
 from jaxserve.server.metrics import ServerMetrics
-from jaxserve.server.readiness import NOT_SERVING, SERVICE_NAME, Readiness, thaw
+from jaxserve.server.readiness import NOT_SERVING, SERVICE_NAME, Readiness
 from jaxserve.server.service import JaxServeService
 from jaxserve.v1 import handoff_pb2 as hpb
 from jaxserve.v1 import handoff_pb2_grpc as hpb_grpc
@@ -218,7 +218,6 @@ class Server:
             self._http.shutdown()
             self._http.server_close()
         self._grpc = None
-        thaw()
 
     async def wait_for_termination(self) -> None:
         await self._grpc.wait_for_termination()

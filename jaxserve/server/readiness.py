@@ -38,13 +38,6 @@ def freeze_long_lived() -> int:
     return gc.get_freeze_count()
 
 
-def thaw() -> None:
-    """A stopped server's objects back in the collector's view (``gc.unfreeze``): a process that
-    goes on after its server (tests, an embedding script) can then collect their cycles. Another
-    server still running in the process only loses the freeze's speed, nothing else."""
-    gc.unfreeze()
-
-
 class Readiness:
     """core: the ``ServingCore`` whose phase this moves; programs: the engine's program set (its
     counts go to the metrics); target: the address named in the log once SERVING."""
