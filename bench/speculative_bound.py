@@ -31,15 +31,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from speculative import prompts  # noqa: E402  (the same workloads)
 
 
+def matched(draft: list[int], out: list[int], i: int) -> int:
+    """How many drafts greedy verification accepts at output position i: those matching out[i:]."""
+    a = 0
+    while a < len(draft) and draft[a] == out[i + a]:
+        a += 1
+    return a
+
+
 def replay(propose, k: int, prompt: list[int], out: list[int]) -> tuple[int, int, int]:
     """(verify calls, tokens they emitted, plain steps) for one request's greedy output."""
     calls = toks = plain = 0
     i = 1  # the first token comes from prefill
     while i < len(out):
         draft = propose(prompt + out[:i], min(k, len(out) - i))
-        a = 0
-        while a < len(draft) and draft[a] == out[i + a]:
-            a += 1
+        a = matched(draft, out, i)
         if draft:
             calls, toks = calls + 1, toks + a + 1
         else:
@@ -58,9 +64,7 @@ def replay_gated(propose, widths: dict[int, float], prompt: list[int], out: list
     i = 1
     while i < len(out):
         draft = propose(prompt + out[:i], min(max(widths), len(out) - i))
-        a = 0
-        while a < len(draft) and draft[a] == out[i + a]:
-            a += 1
+        a = matched(draft, out, i)
         best, value = None, 1.0
         rate = gate.row_rate(recent)
         for w, c in sorted(widths.items()):
