@@ -32,7 +32,7 @@ setup(
         "jaxserve.native._kernels",
         sources=["jaxserve/native/csrc/matmul.cc", "jaxserve/native/csrc/greedy.cc"],
         depends=["jaxserve/native/csrc/kernels.inc", "jaxserve/native/csrc/bf16.inc", "jaxserve/native/csrc/vnni.inc",
-                 "jaxserve/native/csrc/amx.inc", "jaxserve/native/csrc/isa.inc"],
+                 "jaxserve/native/csrc/amx.inc", "jaxserve/native/csrc/isa.inc", "jaxserve/native/csrc/madd.inc"],
         language="c++",
         extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes", "-Wno-return-type", "-Wno-psabi"],
         optional=True,

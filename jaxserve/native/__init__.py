@@ -12,13 +12,14 @@ any of that fails, or ``JAXSERVE_NATIVE=0`` is set, ``available()`` is False, th
 logged once, and the matmul registry keeps XLA's own formulations.
 
 Entry points (x f32 [M, K]; all return f32 [M, N] except ``w8a8_s32``):
-- ``int4_w4a16(x, packed, scales, group)``: jaxserve's int4 group layout, x padded to Kp; with
-  VNNI (isa "avx512-vnni", group a multiple of 4) it runs W4A8: each row of x quantized to int8
-  per group of ``group`` k (d = amax / 127, rint(x / d)), exact int32 group dots, then the
-  weight and activation scales in f32; else nibbles times scales in f32 registers, f32 x;
-- ``int8_w8a16(x, q, scales)``: int8 per channel; with VNNI W8A8 (x quantized to int8 per row
-  as above, exact int32 dots, scales on the result; the numerics of XLA's W8A8 path), else f32
-  activations;
+- ``int4_w4a16(x, packed, scales, group)``: jaxserve's int4 group layout (group a multiple of
+  4), x padded to Kp, as W4A8: each row of x quantized to int8 per group of ``group`` k
+  (d = amax / 127, rint(x / d)), exact int32 group dots, then the weight and activation scales
+  in f32;
+- ``int8_w8a16(x, q, scales)``: int8 per channel as W8A8 (x quantized to int8 per row as above,
+  exact int32 dots, scales on the result; the numerics of XLA's W8A8 path);
+  both integer kernels use vpdpbusd where cpuid has AVX512-VNNI and AVX2's vpmaddubsw +
+  vpmaddwd elsewhere, with the same result to the bit;
 - ``w8a8_s32(xq, q)``: int8 x int8, exact int32 [M, N] (VNNI where there is);
 - ``fp8_w8a16(x, w, scales, bk, bn)``: e4m3fn weights (or their uint8 bits) with a scale per
   (bk x bn) block;

@@ -218,6 +218,7 @@ class Server:
             self._http.shutdown()
             self._http.server_close()
         self._grpc = None
+        self.readiness.release()
 
     async def wait_for_termination(self) -> None:
         await self._grpc.wait_for_termination()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import threading
 import time
 
 from grpc_health.v1 import health, health_pb2
@@ -25,6 +26,10 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+_freezers = 0  # servers of this process whose objects are frozen (see freeze_long_lived)
+_freeze_lock = threading.Lock()
+
+
 def freeze_long_lived() -> int:
     """What lives at SERVING (the model, its programs, JAX's caches: about a million objects
     for the tiny model) lives as long as the server: collected once, then moved out of the
@@ -32,10 +37,25 @@ def freeze_long_lived() -> int:
     request threads wait on the GIL (gen-2 pauses of 150-400 ms measured under disconnect
     churn: a well-behaved client's p99). Refcounting still frees them; only cycles made before
     SERVING are never collected, and the collection just before takes what is garbage then.
-    Returns how many objects are frozen."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
+    Returns how many objects are frozen. Each call is matched by one ``thaw`` when its server
+    stops; the objects go back into the collector's view when the last server of the process
+    has stopped (a process that outlives its servers, tests or an embedding script, collects
+    their cycles again; a server still running keeps its objects frozen)."""
+    global _freezers
+    with _freeze_lock:
+        _freezers += 1
+        gc.collect()
+        gc.freeze()
+        return gc.get_freeze_count()
+
+
+def thaw() -> None:
+    """One server that froze has stopped: unfreeze once none is left running."""
+    global _freezers
+    with _freeze_lock:
+        _freezers -= 1
+        if _freezers == 0:
+            gc.unfreeze()
 
 
 class Readiness:
@@ -48,6 +68,7 @@ class Readiness:
         self.ready = asyncio.Event()  # SERVING, or warm-up failed, or the replica is lost
         self.replica_lost = asyncio.Event()
         self.failure: BaseException | None = None
+        self.frozen = False  # this server's freeze_long_lived is in effect (released by release())
         self.warmup_seconds = 0.0  # engine thread start to SERVING
         self._started = time.perf_counter()
 
@@ -70,6 +91,7 @@ class Readiness:
         if self.core.phase != "warming up":  # stopped during warm-up: stay NOT_SERVING
             return
         frozen = freeze_long_lived()
+        self.frozen = True
         await self.set(SERVING)
         self.core.phase = "serving"
         self.warmup_seconds = time.perf_counter() - self._started
@@ -79,6 +101,12 @@ class Readiness:
                  "done" if done == total else
                  f"serviceable ({done}/{total} programs ready; the rest build while serving)", self.target, frozen)
         self.ready.set()
+
+    def release(self) -> None:
+        """The server has stopped: its share of the process's freeze ends (``thaw``)."""
+        if self.frozen:
+            self.frozen = False
+            thaw()
 
     def failed(self, error: BaseException) -> None:
         self.failure = error

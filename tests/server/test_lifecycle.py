@@ -158,3 +158,36 @@ def test_metrics_endpoint_shows_counters_moving(served, cases):
     assert metric(after, "jaxserve_model_info", architecture="MockForCausalLM", model=info.model,
                   fingerprint=info.fingerprint, prefill_weights="float32", decode_weights="float32",
                   prefill_kv="float32", decode_kv="float32", replica_id="test-replica") == 1
+
+
+THAW_SCRIPT = """
+import gc
+from jaxserve.server.app import ServerThread
+from jaxserve.testing import MockLLM
+
+def frozen(obj):
+    return gc.is_tracked(obj) and not any(o is obj for g in range(3) for o in gc.get_objects(generation=g))
+
+a, b = ServerThread(MockLLM()).start(), ServerThread(MockLLM()).start()
+a.wait_ready(), b.wait_ready()
+la, lb = a.server.engine_loop, b.server.engine_loop
+assert frozen(la) and frozen(lb)
+a.stop()
+assert frozen(lb), "a server still running keeps its objects frozen"
+b.stop()
+assert gc.get_freeze_count() == 0 and not frozen(la) and not frozen(lb), "the last stop unfreezes"
+print("ok")
+"""
+
+
+def test_the_last_server_to_stop_gives_the_collector_its_objects_back():
+    # In a fresh process (this one runs session-wide servers): objects frozen at SERVING stay
+    # frozen while any server of the process runs, and are collectable again once none does.
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", THAW_SCRIPT], capture_output=True, text=True, timeout=300,
+                         cwd=root, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0 and out.stdout.split()[-1:] == ["ok"], out.stderr[-3000:]

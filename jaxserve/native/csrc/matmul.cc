@@ -7,11 +7,12 @@
 // multiplied into up to 4 rows x the strip's accumulators. Nothing dense is ever written. A
 // strip is read once per 4 rows of x (it stays in L2 between row chunks), so the cost is the
 // weight's stored bytes for the batches decode runs (M <= 8).
-//   float kernels (kernels.inc, AVX2 and AVX-512; bf16.inc for AVX-512 bf16): the weights
+//   float kernels (kernels.inc, AVX2 and AVX-512; bf16.inc for AVX-512 bf16): bf16 and fp8
 //     decoded to float32, f32 activations, FMA into f32 accumulators held in registers while
 //     the strip walks K row by row (each stored row one contiguous run, prefetched ahead);
-//   integer kernels (vnni.inc, AVX512-VNNI): int4 groups as W4A8 and int8 as W8A8, the
-//     activations quantized to int8 in the kernel, vpdpbusd int32 dots, scales in f32;
+//   integer kernels: int4 groups as W4A8 and int8 as W8A8, the activations quantized to int8
+//     in the kernel, exact int32 dots, scales in f32: vpdpbusd where cpuid has AVX512-VNNI
+//     (vnni.inc), else AVX2's vpmaddubsw + vpmaddwd (madd.inc), the same numbers to the bit;
 //   tile kernels (amx.inc, AMX-BF16 / AMX-INT8): B tiles packed per call from the stored bytes
 //     into a thread-local buffer (256 KiB per thread, or one 32-column panel
 //     where that is larger), 32 x 32 blocks of y.
@@ -35,6 +36,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -90,12 +92,6 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t total, std::function<void(int64_
   while (job->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
 }
 
-// Panels per chunk: about 8 chunks per thread, at least one panel.
-int64_t PanelsPerChunk(int64_t panels) {
-  return std::max<int64_t>(1, panels / (8 * ThreadCap()));
-}
-
-
 // ----------------------------------------------------------------------------- AVX-512
 namespace avx512 {
 #pragma GCC push_options
@@ -124,11 +120,6 @@ struct Isa {
   static F Fp8(const uint8_t* p) {
     __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 7);
     return _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16(int16_t(0xBFFF))));
-  }
-  static void Nibbles(const uint8_t* p, F& lo, F& hi) {
-    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(b, 28), 28));
-    hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(b, 24), 28));
   }
 };
 #include "kernels.inc"
@@ -169,13 +160,9 @@ struct Isa {
     __m128i h = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 7);
     return _mm256_cvtph_ps(_mm_and_si128(h, _mm_set1_epi16(int16_t(0xBFFF))));
   }
-  static void Nibbles(const uint8_t* p, F& lo, F& hi) {
-    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 28), 28));
-    hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 24), 28));
-  }
 };
 #include "kernels.inc"
+#include "madd.inc"
 #pragma GCC pop_options
 }  // namespace avx2
 
@@ -193,14 +180,14 @@ ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   auto xd = x.dimensions(), wd = w.dimensions(), sd = s.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2) return ffi::Error::InvalidArgument("int4: operands must be 2-D");
   int64_t M = xd[0], Kp = xd[1], N = wd[1];
-  if (group < 2 || group % 2 || Kp % group || wd[0] * 2 != Kp || sd[0] != Kp / group || sd[1] != N)
-    return ffi::Error::InvalidArgument("int4: shapes do not match the group layout");
+  if (group < 4 || group % 4 || Kp % group || wd[0] * 2 != Kp || sd[0] != Kp / group || sd[1] != N)
+    return ffi::Error::InvalidArgument("int4: shapes do not match the group layout (a group of 4k values)");
   if (UseAmx(kInt4, M))
     avx512::amx::RunInt4(pool, x.typed_data(), M, Kp, w.typed_data(), N, s.typed_data(), group, y->typed_data());
-  else if (IsaLevel() >= 3 && group % 4 == 0)
+  else if (IsaLevel() >= 3)
     avx512::vnni::RunW4A8(pool, x.typed_data(), M, Kp, w.typed_data(), N, s.typed_data(), group, y->typed_data());
   else
-    JAXSERVE_ISA(RunInt4(pool, x.typed_data(), M, Kp, w.typed_data(), N, s.typed_data(), group, y->typed_data()));
+    avx2::madd::RunW4A8(pool, x.typed_data(), M, Kp, w.typed_data(), N, s.typed_data(), group, y->typed_data());
   return ffi::Error::Success();
 }
 
@@ -214,7 +201,7 @@ ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   else if (IsaLevel() >= 3)
     avx512::vnni::RunW8A8(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], s.typed_data(), y->typed_data());
   else
-    JAXSERVE_ISA(RunInt8(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], s.typed_data(), y->typed_data()));
+    avx2::madd::RunW8A8(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], s.typed_data(), y->typed_data());
   return ffi::Error::Success();
 }
 
