@@ -30,9 +30,10 @@ class BuildNative(build_ext):
 setup(
     ext_modules=[Extension(
         "jaxserve.native._kernels",
-        sources=["jaxserve/native/csrc/matmul.cc", "jaxserve/native/csrc/greedy.cc"],
+        sources=["jaxserve/native/csrc/matmul.cc", "jaxserve/native/csrc/handlers.cc", "jaxserve/native/csrc/greedy.cc"],
         depends=["jaxserve/native/csrc/kernels.inc", "jaxserve/native/csrc/bf16.inc", "jaxserve/native/csrc/vnni.inc",
-                 "jaxserve/native/csrc/amx.inc", "jaxserve/native/csrc/isa.inc", "jaxserve/native/csrc/madd.inc"],
+                 "jaxserve/native/csrc/amx.inc", "jaxserve/native/csrc/isa.inc", "jaxserve/native/csrc/madd.inc",
+                 "jaxserve/native/csrc/rows.h"],
         language="c++",
         extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes", "-Wno-return-type", "-Wno-psabi"],
         optional=True,

@@ -79,11 +79,13 @@ def reference(name, x, w32, group: int = 0):
     return xe @ we, ACC * (np.abs(xe) @ np.abs(we)) + 1e-30
 
 
-def running(path, rows: int, qw):
+def running(path, rows: int, qw, grouped: bool = False):
     """The path that computes ``rows`` rows: a native path hands more rows than its kernel
-    takes (jaxserve.quant.native_paths.max_rows) to the XLA path it stands over."""
+    takes (jaxserve.quant.native_paths.max_rows) to the XLA path it stands over, except in the
+    grouped-by-expert form (``grouped``: one expert's rows), which its native kernels serve at
+    every row count."""
     family = family_of(qw.format)
-    if "native" in path.name and rows > max_rows().get(family, 0):
+    if "native" in path.name and not grouped and rows > max_rows().get(family, 0):
         return XLA_PATHS[(family, "cpu")]
     if path.name.startswith("cpu:native-amx-"):  # the tile kernel from amx_rows rows, else the decode one
         amx = rows >= native.status().amx_rows["fp8" if family == "fp8_block" else family]
@@ -93,9 +95,9 @@ def running(path, rows: int, qw):
     return path
 
 
-def check(path, y, x, qw, w32):
+def check(path, y, x, qw, w32, grouped: bool = False):
     y = np.asarray(y, np.float64)
-    path = running(path, x.shape[0], qw)
+    path = running(path, x.shape[0], qw, grouped)
     ref, bound = reference(path.name, x, w32, getattr(qw.fmt, "group", 0))
     if ref is None:  # W8A8: int32 products are exact; only the two scale multiplies round
         xq, sx = bound
@@ -161,14 +163,14 @@ def test_ragged_matmul_per_expert(fmt, backend):
     sizes = np.array([3, 0, 5, 2], np.int32)
     w, x = rand((e, k, n), seed=6), rand((12, k), seed=7)  # 12 rows, 10 routed: the last 2 come out 0
     qw = quantize(w, fmt)
-    path = XLA_PATHS[(family_of(fmt), backend)]  # the grouped form is XLA's (no native ragged kernel)
+    path = PATHS[(family_of(fmt), backend)]  # on CPU: the native grouped kernel where the kernels load
     y = np.asarray(jax.jit(functools.partial(ragged_matmul, backend=backend))(jnp.asarray(x), qw, jnp.asarray(sizes)))
     w32, start = np_dequant32(qw), 0
     for i, s in enumerate(sizes):
         rows = slice(start, start + s)
         if s:
             one = dict(qw.__dict__, values=np.asarray(qw.values)[i], scales=None if qw.scales is None else np.asarray(qw.scales)[i])
-            check(path, y[rows], x[rows], type(qw)(**one), w32[i])
+            check(path, y[rows], x[rows], type(qw)(**one), w32[i], grouped=True)
         start += s
     assert np.all(y[start:] == 0)
     with pytest.raises(ValueError, match="stacked experts"):

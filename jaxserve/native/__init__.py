@@ -33,6 +33,12 @@ activation quantization, exact int32 dots (AMX-INT8); ``w8a8_s32`` exact on AMX-
 entry has a bf16-tile kernel too (nibble times scale, rounded to bf16), which lost to the W4A8
 VNNI kernel at every row count measured, so int4 runs W4A8 unless JAXSERVE_NATIVE_AMX_ROWS.
 
+The grouped-by-expert form of each (the ragged MoE matmul; ``csrc/handlers.cc``):
+``int4_grouped(x, packed, scales, sizes, group)``, ``int8_grouped``, ``fp8_grouped``,
+``bf16_grouped``: x f32 [M, K] rows sorted by expert, the stacked weight [E, ...] in the same
+layout per expert, sizes int32 [E]; each expert that has rows runs the dense kernel on its rows
+and its own bytes (an expert without rows is not read); rows past sum(sizes) are zeros.
+
 And one that is not a matmul (``csrc/greedy.cc``):
 - ``greedy_rows(logits, rows, mask)``: each sampled row's first argmax (of the masked row) and
   the raw log-probability of that token, for the sampler's all-greedy batches.
@@ -52,7 +58,8 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 TARGETS = ("jaxserve_int4_w4a16", "jaxserve_int8_w8a16", "jaxserve_fp8_w8a16", "jaxserve_bf16_w16a32",
-           "jaxserve_w8a8_s32", "jaxserve_greedy_rows")
+           "jaxserve_w8a8_s32", "jaxserve_int4_grouped", "jaxserve_int8_grouped", "jaxserve_fp8_grouped",
+           "jaxserve_bf16_grouped", "jaxserve_greedy_rows")
 ENV = "JAXSERVE_NATIVE"  # "0": do not use the native kernels
 # JAXSERVE_NATIVE_ISA=avx2 keeps AVX-512 machines on the AVX2 copy; =avx512 off the VNNI kernels;
 # =avx512-vnni off the AMX kernels
@@ -158,6 +165,33 @@ def fp8_w8a16(x, bits, scales, bk: int, bn: int):
 def bf16_w16a32(x, w):
     """x f32 [M, K], w bf16 [K, N] -> f32 [M, N]."""
     return jax.ffi.ffi_call("jaxserve_bf16_w16a32", _f32(x.shape[0], w.shape[1]))(x.astype(jnp.float32), w)
+
+
+def int4_grouped(x, packed, scales, sizes, group: int):
+    """x f32 [M, Kp] (zero-padded) sorted by expert, packed u8 [E, Kp/2, N], scales [E, Kp/G, N],
+    sizes int32 [E] -> f32 [M, N]."""
+    return jax.ffi.ffi_call("jaxserve_int4_grouped", _f32(x.shape[0], packed.shape[-1]))(
+        x.astype(jnp.float32), packed, jnp.asarray(scales, jnp.float32), sizes.astype(jnp.int32), group=np.int64(group))
+
+
+def int8_grouped(x, q, scales, sizes):
+    """x f32 [M, K] sorted by expert, q s8 [E, K, N], scales [E, 1, N], sizes [E] -> f32 [M, N]."""
+    return jax.ffi.ffi_call("jaxserve_int8_grouped", _f32(x.shape[0], q.shape[-1]))(
+        x.astype(jnp.float32), q, jnp.asarray(scales, jnp.float32), sizes.astype(jnp.int32))
+
+
+def fp8_grouped(x, bits, scales, sizes, bk: int, bn: int):
+    """x f32 [M, K] sorted by expert, bits [E, K, N] (e4m3fn or uint8), scales [E, ceil(K/bk),
+    ceil(N/bn)], sizes [E] -> f32 [M, N]."""
+    return jax.ffi.ffi_call("jaxserve_fp8_grouped", _f32(x.shape[0], bits.shape[-1]))(
+        x.astype(jnp.float32), bits, jnp.asarray(scales, jnp.float32), sizes.astype(jnp.int32),
+        bk=np.int64(bk), bn=np.int64(bn))
+
+
+def bf16_grouped(x, w, sizes):
+    """x f32 [M, K] sorted by expert, w bf16 [E, K, N], sizes [E] -> f32 [M, N]."""
+    return jax.ffi.ffi_call("jaxserve_bf16_grouped", _f32(x.shape[0], w.shape[-1]))(
+        x.astype(jnp.float32), w, sizes.astype(jnp.int32))
 
 
 def greedy_rows(logits, rows, mask):

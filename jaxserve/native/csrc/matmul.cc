@@ -46,6 +46,7 @@
 #include <thread>
 #include <vector>
 
+#include "rows.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -172,126 +173,58 @@ struct Isa {
 
 }  // namespace
 
-// ----------------------------------------------------------------------------- FFI handlers
-namespace {
+// ----------------------------------------------------------------------------- rows.h
+// The kernel each format runs for M rows on this CPU (handlers.cc calls these for the dense and
+// the grouped-by-expert custom calls).
+namespace jaxserve_native {
 
-ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                    ffi::Buffer<ffi::F32> s, int64_t group, ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions(), sd = s.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2) return ffi::Error::InvalidArgument("int4: operands must be 2-D");
-  int64_t M = xd[0], Kp = xd[1], N = wd[1];
-  if (group < 4 || group % 4 || Kp % group || wd[0] * 2 != Kp || sd[0] != Kp / group || sd[1] != N)
-    return ffi::Error::InvalidArgument("int4: shapes do not match the group layout (a group of 4k values)");
+void Int4Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t Kp, const uint8_t* w, int64_t N,
+              const float* s, int64_t G, float* y) {
   if (UseAmx(kInt4, M))
-    avx512::amx::RunInt4(pool, x.typed_data(), M, Kp, w.typed_data(), N, s.typed_data(), group, y->typed_data());
+    avx512::amx::RunInt4(pool, x, M, Kp, w, N, s, G, y);
   else if (IsaLevel() >= 3)
-    avx512::vnni::RunW4A8(pool, x.typed_data(), M, Kp, w.typed_data(), N, s.typed_data(), group, y->typed_data());
+    avx512::vnni::RunW4A8(pool, x, M, Kp, w, N, s, G, y);
   else
-    avx2::madd::RunW4A8(pool, x.typed_data(), M, Kp, w.typed_data(), N, s.typed_data(), group, y->typed_data());
-  return ffi::Error::Success();
+    avx2::madd::RunW4A8(pool, x, M, Kp, w, N, s, G, y);
 }
 
-ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                    ffi::Buffer<ffi::F32> s, ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions(), sd = s.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1] || sd.size() != 2 || sd[0] != 1 || sd[1] != wd[1])
-    return ffi::Error::InvalidArgument("int8: x [M, K], w [K, N], scales [1, N] expected");
-  if (UseAmx(kInt8, xd[0]))
-    avx512::amx::RunW8A8(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], s.typed_data(), y->typed_data());
+void Int8Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const int8_t* w, int64_t N,
+              const float* s, float* y) {
+  if (UseAmx(kInt8, M))
+    avx512::amx::RunW8A8(pool, x, M, K, w, N, s, y);
   else if (IsaLevel() >= 3)
-    avx512::vnni::RunW8A8(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], s.typed_data(), y->typed_data());
+    avx512::vnni::RunW8A8(pool, x, M, K, w, N, s, y);
   else
-    avx2::madd::RunW8A8(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], s.typed_data(), y->typed_data());
-  return ffi::Error::Success();
+    avx2::madd::RunW8A8(pool, x, M, K, w, N, s, y);
 }
 
-// w: the e4m3fn array itself (no bitcast in the program: XLA:CPU would copy the weight) or its
-// bits as uint8.
-ffi::Error Fp8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                   ffi::Buffer<ffi::F32> s, int64_t bk, int64_t bn, ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions(), sd = s.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1] || sd.size() != 2)
-    return ffi::Error::InvalidArgument("fp8: x [M, K], w [K, N] expected");
-  if (w.element_type() != ffi::DataType::F8E4M3FN && w.element_type() != ffi::DataType::U8)
-    return ffi::Error::InvalidArgument("fp8: w must be float8_e4m3fn or its uint8 bits");
-  int64_t K = xd[1], N = wd[1];
-  if (bk < 1 || bn < 1 || (bn > 1 && bn % 16) || sd[0] != (K + bk - 1) / bk || sd[1] != (N + bn - 1) / bn)
-    return ffi::Error::InvalidArgument("fp8: scales do not match the scale block");
-  if (UseAmx(kFp8, xd[0]))
-    avx512::amx::RunFp8(pool, x.typed_data(), xd[0], K, static_cast<const uint8_t*>(w.untyped_data()), N, s.typed_data(), bk, bn, y->typed_data());
+void Fp8Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+             const float* s, int64_t bk, int64_t bn, float* y) {
+  if (UseAmx(kFp8, M))
+    avx512::amx::RunFp8(pool, x, M, K, w, N, s, bk, bn, y);
   else
-    JAXSERVE_ISA(RunFp8(pool, x.typed_data(), xd[0], K, static_cast<const uint8_t*>(w.untyped_data()), N, s.typed_data(), bk, bn, y->typed_data()));
-  return ffi::Error::Success();
+    JAXSERVE_ISA(RunFp8(pool, x, M, K, w, N, s, bk, bn, y));
 }
 
-ffi::Error Bf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
-                    ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1]) return ffi::Error::InvalidArgument("bf16: bad shapes");
-  const auto* bits = reinterpret_cast<const uint16_t*>(w.untyped_data());
-  if (UseAmx(kBf16, xd[0]))
-    avx512::amx::RunBf16(pool, x.typed_data(), xd[0], xd[1], bits, wd[1], y->typed_data());
+void Bf16Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
+  if (UseAmx(kBf16, M))
+    avx512::amx::RunBf16(pool, x, M, K, w, N, y);
   else if (IsaLevel() >= 2)
-    avx512::split::RunBf16(pool, x.typed_data(), xd[0], xd[1], bits, wd[1], y->typed_data());
+    avx512::split::RunBf16(pool, x, M, K, w, N, y);
   else
-    avx2::RunBf16(pool, x.typed_data(), xd[0], xd[1], bits, wd[1], y->typed_data());
-  return ffi::Error::Success();
+    avx2::RunBf16(pool, x, M, K, w, N, y);
 }
 
-ffi::Error ExactImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
-                     ffi::ResultBuffer<ffi::S32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1]) return ffi::Error::InvalidArgument("w8a8: bad shapes");
-  if (UseAmx(kInt8, xd[0]))
-    avx512::amx::RunExact(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], y->typed_data());
+void ExactRows(ffi::ThreadPool& pool, const int8_t* x, int64_t M, int64_t K, const int8_t* w, int64_t N, int32_t* y) {
+  if (UseAmx(kInt8, M))
+    avx512::amx::RunExact(pool, x, M, K, w, N, y);
   else if (IsaLevel() >= 3)
-    avx512::vnni::RunExactVnni(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], y->typed_data());
+    avx512::vnni::RunExactVnni(pool, x, M, K, w, N, y);
   else
-    JAXSERVE_ISA(RunExact(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], y->typed_data()));
-  return ffi::Error::Success();
+    JAXSERVE_ISA(RunExact(pool, x, M, K, w, N, y));
 }
 
-}  // namespace
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_int4_w4a16, Int4Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("group")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_int8_w8a16, Int8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_fp8_w8a16, Fp8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("bk")
-                                  .Attr<int64_t>("bn")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_bf16_w16a32, Bf16Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_w8a8_s32, ExactImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+}  // namespace jaxserve_native
 
 // The instruction set the kernels run with: 4 AMX (+ 3's), 3 AVX-512 + VNNI, 2 AVX-512, 1 AVX2 (+FMA, F16C),
 // 0 none (unusable).
