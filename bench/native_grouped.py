@@ -5,7 +5,8 @@ tokens with top-k experts routes B * k rows), the rows spread over the experts a
 would spread them (each of the rows / top-k tokens picks top-k distinct experts at random),
 sorted by expert. Per format: the native grouped kernel (experts without rows are not read)
 and the XLA ragged formulation the native path replaces, interleaved, best of --reps, in one
-process. Reported: ms per call and its ratio to XLA's.
+process. Reported: ms per call and its ratio to XLA's. "float32" / "bfloat16" are experts kept as
+loaded (no format): the registry's plain path, native grouped kernel against ``lax.ragged_dot``.
 
     .venv/bin/python bench/native_grouped.py --experts 64 --k 1024 --n 512 --rows 8,32,128,512
 """
@@ -21,7 +22,7 @@ import numpy as np
 from jaxserve import native
 from jaxserve.quant import quantize
 from jaxserve.quant.native_paths import GROUPED
-from jaxserve.quant.paths import XLA_PATHS, family_of
+from jaxserve.quant.paths import PATHS, XLA_PATHS, family_of
 
 
 def routed_sizes(rows: int, experts: int, top_k: int, rng) -> np.ndarray:
@@ -55,9 +56,14 @@ def main(argv=None) -> int:
     w = (0.02 * rng.standard_normal((args.experts, args.k, args.n))).astype(np.float32)
     print(f"{args.experts} experts of {args.k} x {args.n}, top-{args.top_k}; isa {native.status().isa}")
     for f in args.formats.split(","):
-        qw = jax.device_put(quantize(w, f))
-        fam = family_of(f)
-        cases = {"native": jax.jit(GROUPED[fam]), "xla": jax.jit(XLA_PATHS[(fam, "cpu")].ragged)}
+        if f in ("float32", "bfloat16"):  # kept as loaded
+            qw = jax.device_put(jnp.asarray(w, f))
+            cases = {"native": jax.jit(PATHS[("dense", "cpu")].ragged),
+                     "xla": jax.jit(XLA_PATHS[("dense", "cpu")].ragged)}
+        else:
+            qw = jax.device_put(quantize(w, f))
+            fam = family_of(f)
+            cases = {"native": jax.jit(GROUPED[fam]), "xla": jax.jit(XLA_PATHS[(fam, "cpu")].ragged)}
         for m in [int(v) for v in args.rows.split(",")]:
             sizes = jnp.asarray(routed_sizes(m, args.experts, args.top_k, rng))
             x = jnp.asarray(rng.standard_normal((m, args.k)), jnp.float32)

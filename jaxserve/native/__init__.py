@@ -35,7 +35,7 @@ VNNI kernel at every row count measured, so int4 runs W4A8 unless JAXSERVE_NATIV
 
 The grouped-by-expert form of each (the ragged MoE matmul; ``csrc/handlers.cc``):
 ``int4_grouped(x, packed, scales, sizes, group)``, ``int8_grouped``, ``fp8_grouped``,
-``bf16_grouped``: x f32 [M, K] rows sorted by expert, the stacked weight [E, ...] in the same
+``bf16_grouped`` and ``f32_grouped`` (plain float32 weights): x f32 [M, K] rows sorted by expert, the stacked weight [E, ...] in the same
 layout per expert, sizes int32 [E]; each expert that has rows runs the dense kernel on its rows
 and its own bytes (an expert without rows is not read); rows past sum(sizes) are zeros.
 
@@ -59,7 +59,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 TARGETS = ("jaxserve_int4_w4a16", "jaxserve_int8_w8a16", "jaxserve_fp8_w8a16", "jaxserve_bf16_w16a32",
            "jaxserve_w8a8_s32", "jaxserve_int4_grouped", "jaxserve_int8_grouped", "jaxserve_fp8_grouped",
-           "jaxserve_bf16_grouped", "jaxserve_greedy_rows")
+           "jaxserve_bf16_grouped", "jaxserve_f32_grouped", "jaxserve_greedy_rows")
 ENV = "JAXSERVE_NATIVE"  # "0": do not use the native kernels
 # JAXSERVE_NATIVE_ISA=avx2 keeps AVX-512 machines on the AVX2 copy; =avx512 off the VNNI kernels;
 # =avx512-vnni off the AMX kernels
@@ -191,6 +191,12 @@ def fp8_grouped(x, bits, scales, sizes, bk: int, bn: int):
 def bf16_grouped(x, w, sizes):
     """x f32 [M, K] sorted by expert, w bf16 [E, K, N], sizes [E] -> f32 [M, N]."""
     return jax.ffi.ffi_call("jaxserve_bf16_grouped", _f32(x.shape[0], w.shape[-1]))(
+        x.astype(jnp.float32), w, sizes.astype(jnp.int32))
+
+
+def f32_grouped(x, w, sizes):
+    """x f32 [M, K] sorted by expert, w f32 [E, K, N], sizes [E] -> f32 [M, N]."""
+    return jax.ffi.ffi_call("jaxserve_f32_grouped", _f32(x.shape[0], w.shape[-1]))(
         x.astype(jnp.float32), w, sizes.astype(jnp.int32))
 
 

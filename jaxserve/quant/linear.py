@@ -210,8 +210,8 @@ def expert_linear(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
     """Routed experts: x [M, K] sorted by expert, w [E, K, N] -> [M, N] in x's dtype."""
     qw, _, dense = _split(w)
     if qw is None:
-        dot = lambda r, sizes: jax.lax.ragged_dot(r, dense, sizes, preferred_element_type=jnp.float32)  # noqa: E731
-        return ragged_by_row_tiles(dot, x, group_sizes).astype(x.dtype)
+        path = path_for(None)
+        return ragged_by_row_tiles(lambda r, sizes: path.ragged(r, dense, sizes), x, group_sizes).astype(x.dtype)
     return ragged_matmul(x, qw, group_sizes)
 
 

@@ -174,6 +174,23 @@ def native_path(family: str, fallback, max_rows: int, isa: str, amx_rows: int | 
                                ragged=ragged)
 
 
+def plain_path(fallback):
+    """Weights kept as loaded: XLA's dots stay (dense: XLA's f32 dot reads float32 at the memory
+    bound), the routed experts of a float32 or bfloat16 array run the native grouped kernel
+    (f32 or bf16 weights as they are, f32 activations and accumulation), anything else
+    ``fallback.ragged``."""
+    def ragged(x, w, sizes):
+        if w.dtype == jnp.float32:
+            return native.f32_grouped(x, w, sizes)
+        if w.dtype == jnp.bfloat16:
+            return native.bf16_grouped(x, w, sizes)
+        return fallback.ragged(x, w, sizes)
+
+    numerics = (f"{fallback.numerics}; grouped by expert (float32 / bfloat16): native kernel per expert, on its "
+                f"rows and its bytes only, f32 activations and accumulation")
+    return dataclasses.replace(fallback, numerics=numerics, ragged=ragged)
+
+
 def native_cpu_paths(paths: dict) -> dict:
     """The CPU entries of ``paths`` that a native kernel replaces (empty when the kernels
     cannot run here: jaxserve.native says why, once)."""
@@ -181,5 +198,7 @@ def native_cpu_paths(paths: dict) -> dict:
         return {}
     st = native.status()
     amx = {f: (st.amx_rows or {}).get("fp8" if f == "fp8_block" else f) for f in KERNELS}
-    return {(f, "cpu"): native_path(f, paths[(f, "cpu")], rows, st.isa, amx[f])
-            for f, rows in max_rows().items() if rows > 0 and (f, "cpu") in paths}
+    out = {(f, "cpu"): native_path(f, paths[(f, "cpu")], rows, st.isa, amx[f])
+           for f, rows in max_rows().items() if rows > 0 and (f, "cpu") in paths}
+    out[("dense", "cpu")] = plain_path(paths[("dense", "cpu")])
+    return out

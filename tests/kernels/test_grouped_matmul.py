@@ -87,3 +87,25 @@ def test_registry_runs_the_grouped_kernel_for_the_ragged_form(fmt):
     for rows in (1, 4096):
         text = jax.jit(path.ragged).lower(jnp.zeros((rows, 64), jnp.float32), qw, jnp.zeros((4,), jnp.int32)).as_text()
         assert f"jaxserve_{family_of(fmt).split('_')[0]}_grouped" in text and "ragged_dot" not in text, rows
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plain_experts_run_the_grouped_kernel(dtype):
+    """Routed experts kept as loaded (no format): the grouped kernel on the float32 or bfloat16
+    array as it is, against float64 numpy per expert; the registry's plain path calls it."""
+    from jaxserve.quant.linear import expert_linear
+
+    e, k, n, sizes = 5, 200, 77, [3, 0, 1, 4, 0]
+    w = jnp.asarray(rand((e, k, n), seed=8, scale=0.05), dtype)
+    x = rand((10, k), seed=9)
+    got = np.asarray(jax.jit(expert_linear)(jnp.asarray(x), w, jnp.asarray(sizes, jnp.int32)), np.float64)
+    w64, off = np.asarray(w.astype(jnp.float32), np.float64), 0
+    for i, s in enumerate(sizes):
+        want = x[off : off + s].astype(np.float64) @ w64[i]
+        bound = 2e-6 * (np.abs(x[off : off + s]).astype(np.float64) @ np.abs(w64[i])) + 1e-30
+        assert np.all(np.abs(got[off : off + s] - want) <= bound), i
+        off += s
+    assert not got[off:].any()
+    text = jax.jit(expert_linear).lower(jnp.asarray(x), w, jnp.asarray(sizes, jnp.int32)).as_text()
+    kernel = "jaxserve_f32_grouped" if dtype == "float32" else "jaxserve_bf16_grouped"
+    assert kernel in text and "ragged_dot" not in text

@@ -155,6 +155,18 @@ ffi::Error Bf16GroupedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   return ffi::Error::Success();
 }
 
+ffi::Error F32GroupedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                          ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), gd = sizes.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1] || gd.size() != 1 || gd[0] != wd[0])
+    return ffi::Error::InvalidArgument("f32 grouped: x [M, K], w [E, K, N], sizes [E]");
+  const int64_t K = xd[1], N = wd[2];
+  ForExperts(sizes.typed_data(), wd[0], xd[0], N, y->typed_data(), [&](int64_t e, int64_t off, int64_t rows) {
+    F32Rows(pool, x.typed_data() + off * K, rows, K, w.typed_data() + e * K * N, N, y->typed_data() + off * N);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_int4_w4a16, Int4Impl,
                               ffi::Ffi::Bind()
@@ -233,5 +245,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_bf16_grouped, Bf16GroupedImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_f32_grouped, F32GroupedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

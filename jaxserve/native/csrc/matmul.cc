@@ -215,6 +215,10 @@ void Bf16Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const
     avx2::RunBf16(pool, x, M, K, w, N, y);
 }
 
+void F32Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y) {
+  JAXSERVE_ISA(RunF32(pool, x, M, K, w, N, y));
+}
+
 void ExactRows(ffi::ThreadPool& pool, const int8_t* x, int64_t M, int64_t K, const int8_t* w, int64_t N, int32_t* y) {
   if (UseAmx(kInt8, M))
     avx512::amx::RunExact(pool, x, M, K, w, N, y);

@@ -23,6 +23,8 @@ void Fp8Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const 
              const float* s, int64_t bk, int64_t bn, float* y);
 // bf16: w [K, N] bits.
 void Bf16Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y);
+// float32: w [K, N] (plain weights).
+void F32Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y);
 // Exact s8 x s8 -> s32.
 void ExactRows(ffi::ThreadPool& pool, const int8_t* x, int64_t M, int64_t K, const int8_t* w, int64_t N, int32_t* y);
 
