@@ -13,7 +13,6 @@ loaded (no format): the registry's plain path, native grouped kernel against ``l
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,22 +22,13 @@ from jaxserve import native
 from jaxserve.quant import quantize
 from jaxserve.quant.native_paths import GROUPED
 from jaxserve.quant.paths import PATHS, XLA_PATHS, family_of
+from native_kernels import best  # bench/, the running script's folder
 
 
 def routed_sizes(rows: int, experts: int, top_k: int, rng) -> np.ndarray:
     tokens = max(1, rows // top_k)
     picks = np.concatenate([rng.choice(experts, size=min(top_k, experts), replace=False) for _ in range(tokens)])
     return np.bincount(picks[:rows], minlength=experts).astype(np.int32)
-
-
-def best(fn, args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        out.append(time.perf_counter() - t)
-    return min(out)
 
 
 def main(argv=None) -> int:
