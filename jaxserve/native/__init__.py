@@ -35,9 +35,10 @@ VNNI kernel at every row count measured, so int4 runs W4A8 unless JAXSERVE_NATIV
 
 The grouped-by-expert form of each (the ragged MoE matmul; ``csrc/handlers.cc``):
 ``int4_grouped(x, packed, scales, sizes, group)``, ``int8_grouped``, ``fp8_grouped``,
-``bf16_grouped`` and ``f32_grouped`` (plain float32 weights): x f32 [M, K] rows sorted by expert, the stacked weight [E, ...] in the same
-layout per expert, sizes int32 [E]; each expert that has rows runs the dense kernel on its rows
-and its own bytes (an expert without rows is not read); rows past sum(sizes) are zeros.
+``bf16_grouped`` and ``f32_grouped`` (plain float32 weights): x f32 [M, K] rows sorted by
+expert, the stacked weight [E, ...] in the same layout per expert, sizes int32 [E]; each expert
+that has rows runs the dense kernel on its rows and its own bytes (an expert without rows is not
+read); rows past sum(sizes) are zeros.
 
 And one that is not a matmul (``csrc/greedy.cc``):
 - ``greedy_rows(logits, rows, mask)``: each sampled row's first argmax (of the masked row) and

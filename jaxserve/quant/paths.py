@@ -200,11 +200,6 @@ def _unused(*_):
     raise AssertionError("plain weights never reach a quantized path")
 
 
-def plain_ragged(x, w, sizes):
-    """Routed experts kept as loaded: x [M, K] sorted by expert @ the plain array w [E, K, N]."""
-    return _ragged(x, w, sizes)
-
-
 _DEQ = "weights dequantized to bf16 one column tile at a time; activations rounded to bf16; f32 accumulation"
 _W8A8 = "int8 weights x int8 activations (per-token amax/127), exact int32 accumulation, scales on the result"
 _BF16 = "bf16 weights x activations rounded to bf16, f32 accumulation"
@@ -214,7 +209,7 @@ _PALLAS = ("Pallas W4A16 kernel: int4 nibbles enter the dot exactly (activations
 
 def _registry() -> dict[tuple[str, str], Path]:
     cpu = {
-        "dense": Path("xla:dot", "checkpoint dtype, f32 accumulation", _unused, plain_ragged),
+        "dense": Path("xla:dot", "checkpoint dtype, f32 accumulation", _unused, _ragged),
         "bf16": Path("cpu:bf16-dot", _BF16, bf16_dense, bf16_ragged),
         "int8": Path("cpu:w8a8", _W8A8, int8_dense, int8_ragged),
         "fp8": Path("cpu:fp8-tiles-bf16", _DEQ, dequant_dense, dequant_ragged),

@@ -142,29 +142,47 @@ ffi::Error Fp8GroupedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::An
   return ffi::Error::Success();
 }
 
-ffi::Error Bf16GroupedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
-                           ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::F32> y) {
+// Unscaled weights, the grouped form: Plain names the stored element type (T, FFI type D), the
+// dense kernel (Rows) and the error prefix.
+struct PlainBf16 {
+  using T = uint16_t;  // bf16 bits
+  static constexpr ffi::DataType D = ffi::DataType::BF16;
+  static constexpr const char* kShapes = "bf16 grouped: x [M, K], w [E, K, N], sizes [E]";
+  static void Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const T* w, int64_t N, float* y) {
+    Bf16Rows(pool, x, M, K, w, N, y);
+  }
+};
+struct PlainF32 {
+  using T = float;
+  static constexpr ffi::DataType D = ffi::DataType::F32;
+  static constexpr const char* kShapes = "f32 grouped: x [M, K], w [E, K, N], sizes [E]";
+  static void Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const T* w, int64_t N, float* y) {
+    F32Rows(pool, x, M, K, w, N, y);
+  }
+};
+
+template <class Plain>
+ffi::Error PlainGroupedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<Plain::D> w,
+                            ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions(), gd = sizes.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1] || gd.size() != 1 || gd[0] != wd[0])
-    return ffi::Error::InvalidArgument("bf16 grouped: x [M, K], w [E, K, N], sizes [E]");
+    return ffi::Error::InvalidArgument(Plain::kShapes);
   const int64_t K = xd[1], N = wd[2];
-  const auto* bits = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  const auto* data = reinterpret_cast<const typename Plain::T*>(w.untyped_data());
   ForExperts(sizes.typed_data(), wd[0], xd[0], N, y->typed_data(), [&](int64_t e, int64_t off, int64_t rows) {
-    Bf16Rows(pool, x.typed_data() + off * K, rows, K, bits + e * K * N, N, y->typed_data() + off * N);
+    Plain::Rows(pool, x.typed_data() + off * K, rows, K, data + e * K * N, N, y->typed_data() + off * N);
   });
   return ffi::Error::Success();
 }
 
-ffi::Error F32GroupedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                          ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions(), gd = sizes.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1] || gd.size() != 1 || gd[0] != wd[0])
-    return ffi::Error::InvalidArgument("f32 grouped: x [M, K], w [E, K, N], sizes [E]");
-  const int64_t K = xd[1], N = wd[2];
-  ForExperts(sizes.typed_data(), wd[0], xd[0], N, y->typed_data(), [&](int64_t e, int64_t off, int64_t rows) {
-    F32Rows(pool, x.typed_data() + off * K, rows, K, w.typed_data() + e * K * N, N, y->typed_data() + off * N);
-  });
-  return ffi::Error::Success();
+template <class Plain>
+auto PlainGroupedBinding() {
+  return ffi::Ffi::Bind()
+      .template Ctx<ffi::ThreadPool>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<Plain::D>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
 }
 
 }  // namespace
@@ -240,18 +258,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_fp8_grouped, Fp8GroupedImpl,
                                   .Attr<int64_t>("bn")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_bf16_grouped, Bf16GroupedImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_f32_grouped, F32GroupedImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_bf16_grouped, PlainGroupedImpl<PlainBf16>, PlainGroupedBinding<PlainBf16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_f32_grouped, PlainGroupedImpl<PlainF32>, PlainGroupedBinding<PlainF32>());
