@@ -13,8 +13,8 @@
 // -inf): the first index holding the maximum, or the first NaN where the row has one. The
 // logprob is that of the raw row: x[t] - max(x) - log(sum(exp(x - max(x)))), with NaN where the
 // row has a NaN (as jax.nn.log_softmax gives). Each row is computed alone, so its results do not
-// depend on the batch. exp is a degree-6 polynomial on [-ln2/2, ln2/2] times 2^n (within 2 ulp
-// of expf; -inf gives 0).
+// depend on the batch. exp is simd512.inc's (a degree-6 polynomial times 2^n, within 2 ulp of
+// expf; -inf gives 0).
 #include <immintrin.h>
 
 #include <cmath>
@@ -28,7 +28,9 @@ namespace ffi = xla::ffi;
 namespace {
 
 bool HasAvx512() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
   return has;
 }
 
@@ -62,24 +64,10 @@ void RowScalar(const float* x, int64_t v, const int32_t* mask, int32_t* token, f
 
 // ---------------------------------------------------------------- AVX-512
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512dq")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")
+#include "simd512.inc"
 
-inline __m512 Exp(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-104.0f), hi = _mm512_set1_ps(88.7f);
-  const __mmask16 zero = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);  // exp underflows to 0 (and -inf)
-  x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), 0);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_mov_ps(~zero, _mm512_scalef_ps(p, n));
-}
+inline __m512 Exp(__m512 x) { return Isa::Exp(x); }
 
 inline __mmask16 Tail(int64_t c) { return c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << c) - 1); }
 

@@ -46,6 +46,7 @@
 #include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "rows.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -55,74 +56,14 @@ namespace {
 
 constexpr int64_t kExactChunk = 1024;
 
-struct Job {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t total = 0;
-  std::function<void(int64_t)> fn;
-};
-
-int64_t ThreadCap() {
-  static const int64_t cap = [] {
-    const char* s = std::getenv("JAXSERVE_NATIVE_THREADS");
-    int64_t v = s ? std::atoll(s) : 0;
-    return v > 0 ? v : int64_t(std::max(1u, std::thread::hardware_concurrency()));
-  }();
-  return cap;
-}
-
-void Work(Job& job) {
-  for (int64_t i; (i = job.next.fetch_add(1, std::memory_order_relaxed)) < job.total;) {
-    job.fn(i);
-    job.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
-// fn(chunk) for chunk in [0, total), over the pool's threads and the caller.
-void ParallelFor(ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> fn) {
-  int64_t threads = std::min({pool.num_threads(), ThreadCap(), total});
-  if (threads <= 1) {
-    for (int64_t i = 0; i < total; ++i) fn(i);
-    return;
-  }
-  auto job = std::make_shared<Job>();
-  job->total = total;
-  job->fn = std::move(fn);
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule([job] { Work(*job); });
-  Work(*job);
-  while (job->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
-}
+using jaxserve_native::ParallelFor;
+using jaxserve_native::ThreadCap;
 
 // ----------------------------------------------------------------------------- AVX-512
 namespace avx512 {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")
-struct Isa {
-  using F = __m512;
-  static constexpr int W = 16;
-  static constexpr int kRows = 4;  // 4 rows x 4 vectors = 16 of the 32 zmm registers
-  static F Zero() { return _mm512_setzero_ps(); }
-  static F Set1(float v) { return _mm512_set1_ps(v); }
-  static F Mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F Fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static F LoadF(const float* p) { return _mm512_loadu_ps(p); }
-  static void StoreF(float* p, F v) { _mm512_storeu_ps(p, v); }
-  static F Int8(const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  }
-  static F Bf16(const uint16_t* p) {
-    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-  }
-  // e4m3fn -> f16 bits: the byte sign-extended to 16 bits and shifted by 7 puts exponent and
-  // mantissa at bits 7..13 and the sign at 14..15; clearing bit 14 leaves the f16 of 2^-8 x
-  // the value, for subnormals and NaN too (the f16 -> f32 convert takes f16 subnormals whatever
-  // the thread's denormals-are-zero mode); the caller folds the 2^8 into the scales.
-  static F Fp8(const uint8_t* p) {
-    __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 7);
-    return _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16(int16_t(0xBFFF))));
-  }
-};
+#include "simd512.inc"
 #include "kernels.inc"
 #include "bf16.inc"
 #pragma GCC pop_options
@@ -140,28 +81,7 @@ struct Isa {
 namespace avx2 {
 #pragma GCC push_options
 #pragma GCC target("avx2,f16c,fma")
-struct Isa {
-  using F = __m256;
-  static constexpr int W = 8;
-  static constexpr int kRows = 2;  // 2 rows x 4 vectors = 8 of the 16 ymm registers
-  static F Zero() { return _mm256_setzero_ps(); }
-  static F Set1(float v) { return _mm256_set1_ps(v); }
-  static F Mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F Fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F LoadF(const float* p) { return _mm256_loadu_ps(p); }
-  static void StoreF(float* p, F v) { _mm256_storeu_ps(p, v); }
-  static F Int8(const int8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  }
-  static F Bf16(const uint16_t* p) {
-    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-  }
-  static F Fp8(const uint8_t* p) {  // as avx512::Isa::Fp8
-    __m128i h = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 7);
-    return _mm256_cvtph_ps(_mm_and_si128(h, _mm_set1_epi16(int16_t(0xBFFF))));
-  }
-};
+#include "simd256.inc"
 #include "kernels.inc"
 #include "madd.inc"
 #pragma GCC pop_options
