@@ -1,10 +1,11 @@
-"""The decode step's attention alone, by the block size it reads pages in: SmolLM2-135M's shapes
-(30 layers, 3 KV heads x 3 queries, head dim 64, bf16 pages of 16 tokens) in one jitted call,
-one query a row, for several contexts and page-table widths; the median of --reps calls per
-block size, the sizes interleaved in one process (64 = the block every program reads; larger ones
-for comparison).
+"""The decode step's attention alone: SmolLM2-135M's shapes (30 layers, 3 KV heads x 3 queries,
+head dim 64, bf16 pages of 16 tokens) in one jitted call, one query a row, for several contexts
+and page-table widths; the median of --reps calls per path, the paths interleaved in one process:
+``xla64`` / ``xla256`` / ``xla512`` the XLA path reading pages in blocks of that many tokens (64
+is the block every program reads), ``native`` the native backend's kernel
+(``jaxserve.native.gqa_paged``).
 
-    python bench/decode_attention.py [--reps 10]
+    python bench/decode_attention.py [--reps 10] [--paths xla64,native]
 """
 import argparse
 import time
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve import native
 from jaxserve.kv import paged
 from jaxserve.kv.formats import get_kv_format
 from jaxserve.models import attention
@@ -21,7 +23,7 @@ KVH, G, D, S, LAYERS = 3, 3, 64, 16, 30
 CASES = [(1, 145, 16), (1, 145, 512), (1, 600, 512), (1, 2000, 512), (8, 145, 512), (8, 600, 512)]  # rows, context, width
 
 
-def timed(rows: int, context: int, width: int, chunk: int, reps: int) -> float:
+def timed(rows: int, context: int, width: int, path: str, reps: int) -> float:
     fmt = get_kv_format("bf16")
     rng = np.random.default_rng(0)
     pools = {}
@@ -35,7 +37,11 @@ def timed(rows: int, context: int, width: int, chunk: int, reps: int) -> float:
     @jax.jit
     def layers(q, pools, table, cached, new):
         for _ in range(LAYERS):  # each layer's output is the next one's query: nothing is hoisted
-            q = attention.gqa_attention_paged(q, pools, fmt, table, cached, new, 0.125, S, chunk_tokens=chunk)
+            if path == "native":
+                q = native.gqa_paged(q, pools["k"], pools["v"], None, None, table, cached, new, 0.125)
+            else:
+                q = attention.gqa_attention_paged(q, pools, fmt, table, cached, new, 0.125, S,
+                                                  chunk_tokens=int(path[3:]))
         return q
 
     args = (q, pools, table, cached, new)
@@ -51,17 +57,19 @@ def timed(rows: int, context: int, width: int, chunk: int, reps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--paths", default="xla64,native", help="comma-separated: xla64, xla256, xla512, native")
     args = ap.parse_args()
-    print("| rows | context | table width (pages) | 64-token blocks | 256-token blocks | 512-token blocks |")
-    print("|---|---|---|---|---|---|")
+    paths = args.paths.split(",")
+    print(f"| rows | context | table width (pages) | {' | '.join(paths)} | {paths[0]} / {paths[-1]} |")
+    print("|---|---|---|" + "---|" * (len(paths) + 1))
     for rows, context, width in CASES:
-        ms = {c: [] for c in (64, 256, 512)}
+        ms = {p: [] for p in paths}
         for _ in range(2):  # interleaved twice, the better median kept
-            for c in ms:
-                ms[c].append(timed(rows, context, width, c, args.reps) * 1e3)
+            for p in ms:
+                ms[p].append(timed(rows, context, width, p, args.reps) * 1e3)
         cells = " | ".join(f"{min(v):.2f} ms" for v in ms.values())
-        print(f"| {rows} | {context} | {width} | {cells} |", flush=True)
-
+        ratio = min(ms[paths[0]]) / min(ms[paths[-1]])
+        print(f"| {rows} | {context} | {width} | {cells} | {ratio:.1f}x |", flush=True)
 
 if __name__ == "__main__":
     main()

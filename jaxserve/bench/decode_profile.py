@@ -11,6 +11,7 @@ afresh: the persistent compile cache is off):
 - matmul: dots (projections, MLP, LM head), including fusions that contain one;
 - KV gather: ops that read pages through the page table (the paged context, dequantized);
 - KV write: scatters of the new token's K/V into pages;
+- attention (native kernel): the native backend's paged attention calls;
 - attention math / norms / other: the rest.
 
     python -m jaxserve.bench.decode_profile --batch 1 --batch 32 --json bench/results/decode_profile.json
@@ -48,6 +49,7 @@ def parse_args(argv=None):
                     help="default: context + steps + warm-up, fitted to a power-of-two page count; 0 = engine default")
     ap.add_argument("--num-pages", type=int, default=None, help="KV pool size (default: just enough for the batch)")
     ap.add_argument("--no-integrity-check", action="store_true")
+    ap.add_argument("--attention-backend", default=None, help="xla, native, ... (default: the engine's)")
     ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
 
@@ -98,7 +100,13 @@ def parse_hlo_ops(text: str) -> dict[str, str]:
 def classify(name: str, body: str) -> str:
     """A category for one optimized-HLO instruction from its name and text (its operands and
     its fused computation). Heuristic, by what the runner's programs contain: KV pools are
-    parameters named ``kv_*``, page tables ``*page_table*``."""
+    parameters named ``kv_*``, page tables ``*page_table*``; the native kernels are custom calls
+    named by their target (``jaxserve_gqa_paged``: attention over pages, the rest matmuls)."""
+    target = re.search(r'custom_call_target="(\w+)"', body.split("\n", 1)[0])
+    if target and target.group(1) == "jaxserve_gqa_paged":
+        return "attention (native kernel)"
+    if target and target.group(1).startswith("jaxserve_"):
+        return "matmul"
     if name.startswith(("dot", "ynn_fusion", "onednn")) or " dot(" in body or "__onednn$matmul" in body:
         return "matmul"
     if "scatter(" in body or name.startswith(("scatter", "wrapped_scatter")):
@@ -177,7 +185,7 @@ def _make_llm(args, batch: int, total: int):
                num_pages=args.num_pages or batch * -(-total // args.page_size) + 2, max_num_seqs=batch,
                max_prefill_seqs=min(batch, 8), prefill_chunk=128, max_num_batched_tokens=1024, max_model_len=max_len,
                enable_prefix_caching=False, integrity_check=not args.no_integrity_check,
-               decode_weights=args.decode_weights)
+               decode_weights=args.decode_weights, attention_backend=args.attention_backend)
 
 
 def _time_decode(engine, prompts, sp, n_steps: int) -> tuple[list[float], list[float], str]:

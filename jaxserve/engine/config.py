@@ -50,9 +50,10 @@ class EngineConfig:
     decode_weights: str | None = _field(None, "decode weight format: bf16 | int8 | fp8_e4m3 | fp8:block128 | "
                                               "int4:g32|g64|g128 (default: as loaded)", type=str)
     attention_backend: str | None = _field(
-        None, "attention over the paged cache, prefill and decode (default: pallas on a GPU, else xla; "
-              "pallas_interpret: the kernels interpreted on CPU, for tests)",
-        type=str, choices=("xla", "pallas", "pallas_interpret"))
+        None, "attention over the paged cache, prefill and decode (default: pallas on a GPU, native on a CPU "
+              "where jaxserve's native kernels load, else xla; native: its kernel for decode and verify steps "
+              "of GQA models, xla for the rest; pallas_interpret: the kernels interpreted on CPU, for tests)",
+        type=str, choices=("xla", "native", "pallas", "pallas_interpret"))
     matmul_backend: str = _field("auto", "quantized matmul formulations (auto: gpu on a GPU host, else cpu; "
                                          "interpret: the GPU ones with Pallas interpreted)",
                                  choices=("auto", "cpu", "gpu", "interpret"))

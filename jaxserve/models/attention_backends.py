@@ -23,17 +23,28 @@ pages instead. Backends:
 - ``pallas``: the Pallas paged kernels (GPU, Triton) for the cached context, merged by
   log-sum-exp with the step's own tokens; sparse MLA through the sparse kernel fed each
   query's chosen slots; per device under a mesh (shard_map over heads);
-- ``pallas_interpret``: the same kernels interpreted on CPU (tests).
+- ``pallas_interpret``: the same kernels interpreted on CPU (tests);
+- ``native``: CPU. Grouped-query attention of steps of up to ``NATIVE_MAX_QUERIES`` queries a
+  row (decode, speculative verify, short prefill chunks; in batch-invariant mode every step, in
+  query tiles) runs jaxserve's native kernel (``jaxserve.native.gqa_paged``: the pools read in
+  their own format, the numbers of the ``xla`` path, each query computed alone so a position's
+  result does not depend on the batch or T); longer GQA steps and MLA run the ``xla`` path.
+  Under a mesh the kernel runs per device on its KV heads (shard_map) where the pools split by
+  KV head, else the ``xla`` path runs. The CPU default where the native kernels load.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from jaxserve import native
 from jaxserve.models import attention, attention_pallas
 from jaxserve.quant.linear import row_tile
+from jaxserve.sharding import MODEL_AXIS, per_device
 
 # Queries per attention tile in batch-invariant mode: every prefill bucket is a multiple.
 QUERY_TILE = 16
@@ -119,9 +130,65 @@ class PallasAttention:
                                                      self.mesh)
 
 
+NATIVE_MAX_QUERIES = 16  # queries per row up to which the native backend runs its GQA kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeAttention:
+    mesh: object = None  # the device mesh the model runs over (None: one device)
+    name = "native"
+
+    def mla(self, q_lat, q_rope, kv, fmt, new_lat, new_rope, step, scale: float, page_size: int):
+        return XLA.mla(q_lat, q_rope, kv, fmt, new_lat, new_rope, step, scale, page_size)
+
+    def mla_sparse(self, q_lat, q_rope, kv, fmt, new_lat, new_rope, step, select, scale: float, page_size: int):
+        return XLA.mla_sparse(q_lat, q_rope, kv, fmt, new_lat, new_rope, step, select, scale, page_size)
+
+    def gqa(self, q, kv, fmt, new_k, new_v, step, scale: float, page_size: int):
+        split = self.kernel_devices(kv["k"].shape[0], q.shape[2])
+        if split is None:
+            return XLA.gqa(q, kv, fmt, new_k, new_v, step, scale, page_size)
+
+        scales = (kv["k_scale"], kv["v_scale"]) if fmt.scaled else ()
+        body = functools.partial(_native_gqa, scale=scale)
+
+        def one(qt, st, _):
+            args = (qt, st.page_table, st.cached_lens, st.new_lens, kv["k"], kv["v"], *scales)
+            if split == 1:
+                return body(*args)
+            heads = P(None, None, MODEL_AXIS)
+            return per_device(body, self.mesh, args, (heads, P(), P(), P()) + (P(MODEL_AXIS),) * (len(args) - 4),
+                              heads)
+
+        if row_tile():  # batch-invariant: every step in the same query tiles, all on the kernel
+            return by_query_tiles(one, (q,), step).astype(q.dtype)
+        if q.shape[1] > NATIVE_MAX_QUERIES:
+            return XLA.gqa(q, kv, fmt, new_k, new_v, step, scale, page_size)
+        return one(q, step, None).astype(q.dtype)
+
+    def kernel_devices(self, kv_heads: int, heads: int):
+        """How many devices share the KV heads (1: one device), or None where the kernel cannot
+        run (no native kernels; a mesh whose devices do not each hold whole KV heads)."""
+        if not native.available():
+            return None
+        if self.mesh is None or self.mesh.size == 1:
+            return 1
+        n = dict(self.mesh.shape).get(MODEL_AXIS, 1)
+        if self.mesh.size != n or kv_heads % n or heads % n:
+            return None
+        return n
+
+
+def _native_gqa(q, page_table, cached_lens, new_lens, k, v, *scales, scale):
+    """One device's (or the only) native GQA call; ``scales``: (k_scale, v_scale) for e4m3 pools."""
+    k_scale, v_scale = scales or (None, None)
+    return native.gqa_paged(q, k, v, k_scale, v_scale, page_table, cached_lens, new_lens, scale)
+
+
 XLA = XlaAttention()
 BACKENDS = {
     "xla": lambda mesh: XLA,
+    "native": lambda mesh: NativeAttention(mesh),
     "pallas": lambda mesh: PallasAttention(False, mesh),
     "pallas_interpret": lambda mesh: PallasAttention(True, mesh),
 }
@@ -135,6 +202,8 @@ def get_backend(name: str, mesh=None):
 
 
 def default_backend() -> str:
-    """The attention backend an engine takes when none is named: Pallas kernels on a GPU,
-    pure jnp (XLA) elsewhere."""
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+    """The attention backend an engine takes when none is named: Pallas kernels on a GPU, the
+    native kernels on a CPU where they load, pure jnp (XLA) elsewhere."""
+    if jax.default_backend() == "gpu":
+        return "pallas"
+    return "native" if jax.default_backend() == "cpu" and native.available() else "xla"

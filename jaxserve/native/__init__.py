@@ -40,9 +40,15 @@ expert, the stacked weight [E, ...] in the same layout per expert, sizes int32 [
 that has rows runs the dense kernel on its rows and its own bytes (an expert without rows is not
 read); rows past sum(sizes) are zeros.
 
-And one that is not a matmul (``csrc/greedy.cc``):
-- ``greedy_rows(logits, rows, mask)``: each sampled row's first argmax (of the masked row) and
-  the raw log-probability of that token, for the sampler's all-greedy batches.
+And two that are not matmuls:
+- ``greedy_rows(logits, rows, mask)`` (``csrc/greedy.cc``): each sampled row's first argmax (of
+  the masked row) and the raw log-probability of that token, for the sampler's all-greedy
+  batches;
+- ``gqa_paged(q, k_pool, v_pool, k_scale, v_scale, page_table, cached_lens, new_lens, scale)``
+  (``csrc/attention.cc``): grouped-query attention of a step's queries over the K/V their
+  pages hold, in the pools' own format (f32, bf16, e4m3 with per-vector scales), the numbers
+  of ``jaxserve.models.attention.gqa_attention_paged``; the "native" attention backend runs it
+  for steps of a few queries a row.
 """
 from __future__ import annotations
 
@@ -60,7 +66,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 TARGETS = ("jaxserve_int4_w4a16", "jaxserve_int8_w8a16", "jaxserve_fp8_w8a16", "jaxserve_bf16_w16a32",
            "jaxserve_w8a8_s32", "jaxserve_int4_grouped", "jaxserve_int8_grouped", "jaxserve_fp8_grouped",
-           "jaxserve_bf16_grouped", "jaxserve_f32_grouped", "jaxserve_greedy_rows")
+           "jaxserve_bf16_grouped", "jaxserve_f32_grouped", "jaxserve_greedy_rows", "jaxserve_gqa_paged")
 ENV = "JAXSERVE_NATIVE"  # "0": do not use the native kernels
 # JAXSERVE_NATIVE_ISA=avx2 keeps AVX-512 machines on the AVX2 copy; =avx512 off the VNNI kernels;
 # =avx512-vnni off the AMX kernels
@@ -211,3 +217,18 @@ def greedy_rows(logits, rows, mask):
     out = (jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.float32))
     return jax.ffi.ffi_call("jaxserve_greedy_rows", out)(
         logits.astype(jnp.float32), rows.astype(jnp.int32), mask.astype(jnp.int32))
+
+
+def gqa_paged(q, k_pool, v_pool, k_scale, v_scale, page_table, cached_lens, new_lens, scale: float):
+    """q [B, T, H, D] (any float; computed in f32), pools [KVH, P, S, D] as stored (float32,
+    bf16 or its uint16 container, float8_e4m3fn or its uint8 container), scales f32 [KVH, P, S]
+    for e4m3 pools (None otherwise), page_table int32 [B, M], cached_lens / new_lens int32 [B]
+    -> f32 [B, T, H, D]: query t of row b (position cached + t) over the row's positions <= its
+    own below cached + new."""
+    if not available():
+        raise RuntimeError(f"native CPU kernels unavailable: {status().reason}")
+    none = jnp.zeros((0,), jnp.float32)
+    return jax.ffi.ffi_call("jaxserve_gqa_paged", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q.astype(jnp.float32), k_pool, v_pool, none if k_scale is None else k_scale.astype(jnp.float32),
+        none if v_scale is None else v_scale.astype(jnp.float32), page_table.astype(jnp.int32),
+        cached_lens.astype(jnp.int32), new_lens.astype(jnp.int32), scale=np.float32(scale))

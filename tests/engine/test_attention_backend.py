@@ -49,3 +49,34 @@ def test_engine_decode_program_lowers_for_cuda_with_pallas(tiny_ckpt, kv_format)
     ).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "triton" in text.lower()
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_e4m3"])
+def test_gqa_native_matches_xla(tmp_path, kv_format):
+    """The native backend's decode steps (the kernel) and short prefill chunks give the XLA
+    backend's greedy tokens; its decode program holds the kernel call, its long prefill chunks
+    (more than NATIVE_MAX_QUERIES a row) and MLA the XLA path."""
+    from jaxserve import native
+    from jaxserve.models.attention_backends import NATIVE_MAX_QUERIES
+
+    if not native.available():
+        pytest.skip(f"native kernels: {native.status().reason}")
+    build_glm4_moe(tmp_path, num_hidden_layers=2)
+    xla = LLM(str(tmp_path), kv_format=kv_format, attention_backend="xla", **KW)
+    nat = LLM(str(tmp_path), kv_format=kv_format, attention_backend="native", prefill_chunk=16, **KW)
+    assert [list(c) for c in nat.generate(PROMPTS, SP)] == [list(c) for c in xla.generate(PROMPTS, SP)]
+    assert "jaxserve_gqa_paged" in nat.runner.lower("decode", 4, tokens=1).as_text()
+    assert "jaxserve_gqa_paged" in nat.runner.lower("prefill", 4, tokens=NATIVE_MAX_QUERIES).as_text()
+    assert "jaxserve_gqa_paged" not in nat.runner.lower("prefill", 4, tokens=2 * NATIVE_MAX_QUERIES).as_text()
+
+
+def test_default_backend_is_native_on_cpu_where_the_kernels_load(monkeypatch):
+    from jaxserve import native
+    from jaxserve.models import attention_backends
+
+    assert attention_backends.default_backend() == ("native" if native.available() else "xla")
+    monkeypatch.setattr(native, "available", lambda: False)  # a machine without the library
+    assert attention_backends.default_backend() == "xla"
+    # a named "native" backend without the kernels runs the XLA path, it does not fail
+    backend = attention_backends.get_backend("native")
+    assert backend.kernel_devices(2, 8) is None

@@ -135,3 +135,28 @@ def test_article_preset_decode_on_mesh_lowers_for_cuda(checkpoints, model, kerne
         prefill = llm.runner.lower("prefill", 4, tokens=16, platform="cuda").as_text()
     assert "f8E4M3FN" in prefill and "int4_matmul" not in prefill
     assert re.search(rf'name = "{kernel}_\w+"', prefill) and "__gpu$xla.gpu.triton" in prefill
+
+
+@pytest.mark.parametrize("model", ["gqa_kvh8", "gqa_kvh2"])
+def test_native_on_mesh_matches_xla(checkpoints, model):
+    """The native backend on 8 devices: with the KV heads split (8 KV heads) each device runs the
+    kernel on its own heads (shard_map); with 2 KV heads the decode step keeps the XLA path.
+    Either way the greedy tokens and teacher-forced logits of one device's XLA path."""
+    from jaxserve import native
+
+    if not native.available():
+        pytest.skip(f"native kernels: {native.status().reason}")
+    path = checkpoints[model]
+    xla1 = LLM(path, kv_format="bf16", attention_backend="xla", **KW)
+    nat8 = LLM(path, kv_format="bf16", attention_backend="native", num_devices=N, **KW)
+    text = nat8.runner.lower("decode", 4, tokens=1).as_text()
+    if model == "gqa_kvh8":
+        assert "jaxserve_gqa_paged" in text and ("manual_computation" in text or "{manual}" in text)
+    else:
+        assert "jaxserve_gqa_paged" not in text
+    ref, fed = decode_logits(xla1)
+    got, _ = decode_logits(nat8, fed)
+    diff = np.abs(got - ref)
+    assert (diff <= 1e-4).mean() >= 0.98, f"{(diff > 1e-4).mean():.1%} of logits differ by > 1e-4"
+    assert diff.max() <= ROUNDING_STEP["bf16"], f"max |difference| {diff.max():.3g}"
+    assert _generate(nat8) == _generate(xla1)
