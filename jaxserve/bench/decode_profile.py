@@ -50,6 +50,7 @@ def parse_args(argv=None):
     ap.add_argument("--num-pages", type=int, default=None, help="KV pool size (default: just enough for the batch)")
     ap.add_argument("--no-integrity-check", action="store_true")
     ap.add_argument("--attention-backend", default=None, help="xla, native, ... (default: the engine's)")
+    ap.add_argument("--tied-head-weights", default=None, help="a tied head's format, e.g. bf16 (default: as loaded)")
     ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
 
@@ -185,7 +186,8 @@ def _make_llm(args, batch: int, total: int):
                num_pages=args.num_pages or batch * -(-total // args.page_size) + 2, max_num_seqs=batch,
                max_prefill_seqs=min(batch, 8), prefill_chunk=128, max_num_batched_tokens=1024, max_model_len=max_len,
                enable_prefix_caching=False, integrity_check=not args.no_integrity_check,
-               decode_weights=args.decode_weights, attention_backend=args.attention_backend)
+               decode_weights=args.decode_weights, attention_backend=args.attention_backend,
+               tied_head_weights=args.tied_head_weights)
 
 
 def _time_decode(engine, prompts, sp, n_steps: int) -> tuple[list[float], list[float], str]:
