@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.engine.sampler import row_noise, unpack_mask
+from jaxserve import native
+from jaxserve.engine.sampler import mask_words, native_greedy, row_noise, unpack_mask
 
 _ACCEPT_SALT = 0x5BEC  # the acceptance uniform's key, folded from the position's key
 
@@ -72,7 +73,14 @@ def verify_rows(logits, rows, drafts, num_drafts, temperature, top_k, top_p, min
 
     -> (accepted int32 [B]: drafts accepted, tokens int32 [B, T]: the accepted drafts then the
     emitted correction / bonus token (entries past ``accepted`` + 1 unused), logprob f32 [B, T] of
-    each under the raw distribution, top ids int32 [B, T, n], top logprobs f32 [B, T, n])."""
+    each under the raw distribution, top ids int32 [B, T, n], top logprobs f32 [B, T, n]).
+
+    All-greedy calls without penalties or top log-probs run the sampler's native greedy kernel
+    where decode runs it: the same first argmax under the mask, and the raw logprob of the
+    argmax, which is every token such a call emits (a greedy row accepts a draft only where
+    it is the argmax)."""
+    if all_greedy and not penalties and not num_logprobs and native_greedy():
+        return _greedy_native(logits, rows, drafts, num_drafts, masks)
     x = logits[rows]
     b, t, v = x.shape
     raw_lp = jax.nn.log_softmax(x, axis=-1)
@@ -88,7 +96,7 @@ def verify_rows(logits, rows, drafts, num_drafts, temperature, top_k, top_p, min
     else:
         accept, final = _sampled(x, greedy, drafts, num_drafts, temperature, top_k, top_p, min_p, seeds, steps)
     ok = accept & real
-    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    accepted = _accepted(ok)
     pos = jnp.arange(t)[None, :]
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
     tokens = jnp.where(pos < accepted[:, None], padded, final)
@@ -98,6 +106,24 @@ def verify_rows(logits, rows, drafts, num_drafts, temperature, top_k, top_p, min
     else:
         top_lp, top_ids = jnp.zeros((b, t, 0), jnp.float32), jnp.zeros((b, t, 0), jnp.int32)
     return accepted, tokens, logprob, top_ids.astype(jnp.int32), top_lp
+
+
+def _accepted(ok):
+    """The accepted run's length per row: the leading true entries of ok [B, T-1]."""
+    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+def _greedy_native(logits, rows, drafts, num_drafts, masks):
+    n, t, v = logits.shape
+    b = rows.shape[0]
+    flat = (rows[:, None] * t + jnp.arange(t, dtype=jnp.int32)[None, :]).reshape(-1)
+    mask = jnp.full((b * t, mask_words(v)), -1, jnp.int32) if masks is None else masks.reshape(b * t, -1)
+    greedy, logprob = native.greedy_rows(logits.reshape(n * t, v), flat, mask)
+    greedy, logprob = greedy.reshape(b, t), logprob.reshape(b, t)
+    real = jnp.arange(t - 1)[None, :] < num_drafts[:, None]
+    accepted = _accepted((drafts == greedy[:, :-1]) & real)
+    empty = jnp.zeros((b, t, 0), jnp.float32)
+    return accepted, greedy, logprob, empty.astype(jnp.int32), empty
 
 
 def _sampled(x, greedy, drafts, num_drafts, temperature, top_k, top_p, min_p, seeds, steps):
