@@ -48,6 +48,12 @@ MADD_ROWS = {"int4": 32, "int8": 8}
 # decode kernels the fewer: they beat XLA's paths up to 64 rows (bf16 1.4x at 32, fp8 2.6x at
 # 64, int8 1.2x at 32-64), level or behind at 256, so XLA's take over above 64 (int4: W4A8, 32).
 AMX_MAX_ROWS = {"int4": 32, "fp8": 64, "fp8_block": 64, "bf16": 64, "int8": 64}
+# On AVX-512 without AMX, bf16 weights at least WIDE_N wide (a tied head) run the kernel's row
+# streams, which read the weight once for up to 16 rows: on a 576 x 49152 head (Zen 4, 2 cores)
+# 3.6-4.1 ms against XLA's 4.4-5.1 ms from 8 to 11 rows, level or behind from 12 (a verify call
+# of k + 1 rows at one request runs there). Narrower bf16 weights keep MAX_ROWS.
+WIDE_N = 8192
+WIDE_ROWS = {"bf16": 11}
 ROWS_ENV = "JAXSERVE_NATIVE_ROWS"
 
 
@@ -140,16 +146,24 @@ GROUPED = {"int4": int4_grouped, "fp8": fp8_grouped, "fp8_block": fp8_grouped, "
            "bf16": bf16_grouped}
 
 
+def wide_rows(family: str, isa: str) -> int:
+    """The rows ``family``'s native path serves on weights at least WIDE_N wide (0: as any other;
+    also where JAXSERVE_NATIVE_ROWS sets the family)."""
+    named = {p.partition("=")[0].strip() for p in os.environ.get(ROWS_ENV, "").split(",")}
+    return WIDE_ROWS.get(family, 0) if isa in ("avx512", "avx512-vnni") and family not in named else 0
+
+
 def native_path(family: str, fallback, max_rows: int, isa: str, amx_rows: int | None = None,
-                grouped_rows: int = ALL):
-    """A Path running ``family``'s native kernel for <= max_rows rows, ``fallback`` above; with
-    isa "amx" the tile kernel from amx_rows rows on (None: none; the C++ side picks by the same
-    count). Its grouped-by-expert form runs the native grouped kernel for <= grouped_rows
-    routed rows, ``fallback.ragged`` above."""
+                grouped_rows: int = ALL, wide: int = 0):
+    """A Path running ``family``'s native kernel for <= max_rows rows (<= max(max_rows, wide)
+    on weights at least WIDE_N wide), ``fallback`` above; with isa "amx" the tile kernel from
+    amx_rows rows on (None: none; the C++ side picks by the same count). Its grouped-by-expert
+    form runs the native grouped kernel for <= grouped_rows routed rows, ``fallback.ragged`` above."""
     kind, kernel = KERNELS[family]
 
     def dense(x, qw):
-        return kernel(x, qw) if x.shape[0] <= max_rows else fallback.dense(x, qw)
+        rows = max(max_rows, wide) if qw.shape[-1] >= WIDE_N else max_rows
+        return kernel(x, qw) if x.shape[0] <= rows else fallback.dense(x, qw)
 
     def ragged(x, qw, sizes):
         return GROUPED[family](x, qw, sizes) if x.shape[0] <= grouped_rows else fallback.ragged(x, qw, sizes)
@@ -161,6 +175,8 @@ def native_path(family: str, fallback, max_rows: int, isa: str, amx_rows: int | 
     else:
         what = NUMERICS.format(kind=f"native {small} {kind} kernel")
     upto = "all rows" if max_rows >= ALL else f"<= {max_rows} rows"
+    if wide > max_rows and max_rows < ALL:
+        upto += f" (<= {wide} on weights >= {WIDE_N} wide)"
     tail = "" if max_rows >= ALL else f"; more rows: {fallback.name} ({fallback.numerics})"
     if grouped_rows >= ALL:
         tail += "; grouped by expert: the same kernels per expert, on its rows and its bytes only"
@@ -198,7 +214,7 @@ def native_cpu_paths(paths: dict) -> dict:
         return {}
     st = native.status()
     amx = {f: (st.amx_rows or {}).get("fp8" if f == "fp8_block" else f) for f in KERNELS}
-    out = {(f, "cpu"): native_path(f, paths[(f, "cpu")], rows, st.isa, amx[f])
+    out = {(f, "cpu"): native_path(f, paths[(f, "cpu")], rows, st.isa, amx[f], wide=wide_rows(f, st.isa))
            for f, rows in max_rows().items() if rows > 0 and (f, "cpu") in paths}
     out[("dense", "cpu")] = plain_path(paths[("dense", "cpu")])
     return out

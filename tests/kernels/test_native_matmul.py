@@ -52,7 +52,8 @@ def check(y, x, w32):
 
 
 SHAPES = [(1, 200, 77), (3, 1000, 200), (8, 64, 136), (9, 131, 300),
-          (3, 70, 8195)]  # wide: bf16's row streams (N >= 8192), K % 4 = 2, a ragged last block
+          (3, 70, 8195),  # wide: bf16's row streams (N >= 8192), K % 4 = 2, a ragged last block
+          (11, 37, 8224), (17, 9, 8200)]  # streams of more rows than registers; past their 16, the strips
 
 
 @needs_native
@@ -94,6 +95,21 @@ def test_registry_runs_native_for_decode_batches_and_xla_above():
     for rows, native_call in ((MAX_ROWS["int4"], True), (MAX_ROWS["int4"] + 1, False)):
         text = jax.jit(path.dense).lower(jnp.zeros((rows, 64), jnp.float32), qw).as_text()
         assert ("jaxserve_int4_w4a16" in text) == native_call, rows
+
+
+def test_wide_bf16_weights_take_the_kernel_for_more_rows():
+    """A bf16 weight >= WIDE_N wide runs the kernel up to WIDE_ROWS rows (a verify call's rows
+    over the tied head), a narrower one only up to MAX_ROWS; XLA's dot above either."""
+    from jaxserve.quant.native_paths import MAX_ROWS, WIDE_N, WIDE_ROWS, native_path
+
+    path = native_path("bf16", XLA_PATHS[("bf16", "cpu")], MAX_ROWS["bf16"], "avx512-vnni", wide=WIDE_ROWS["bf16"])
+    assert f"<= {WIDE_ROWS['bf16']} on weights >= {WIDE_N} wide" in path.numerics
+    cases = [(WIDE_N, WIDE_ROWS["bf16"], True), (WIDE_N, WIDE_ROWS["bf16"] + 1, False),
+             (WIDE_N - 32, MAX_ROWS["bf16"], True), (WIDE_N - 32, MAX_ROWS["bf16"] + 1, False)]
+    for n, rows, native_call in cases:
+        qw = quantize(jnp.zeros((64, n), jnp.float32), "bf16")
+        text = jax.jit(path.dense).lower(jnp.zeros((rows, 64), jnp.float32), qw).as_text()
+        assert ("jaxserve_bf16_w16a32" in text) == native_call, (n, rows)
 
 
 def test_disabled_by_env_falls_back_to_xla_and_says_so():
