@@ -224,3 +224,27 @@ def test_chunked_prefill_and_a_shared_prompt_with_speculation(tmp_path_factory):
     assert [list(c) for c in got] == [list(c) for c in want]
     assert max(len(p) for p in prompts) > 32 and 0 < spec.accepted <= spec.drafted
     assert llm.engine.bm.num_used_pages == 0 and llm.engine.snapshot().integrity_mismatches == {}
+
+
+def _ngram_by_definition(tokens, k, n_max, n_min, limit):
+    """The proposer's rule written out: the longest suffix n-gram (n_max down to n_min) seen
+    earlier, its latest earlier occurrence, the tokens after it."""
+    limit = min(k, limit)
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        if limit <= 0:
+            break
+        for s in range(len(tokens) - n - 1, -1, -1):
+            if tokens[s : s + n] == tokens[-n:]:
+                return tokens[s + n : s + n + limit]
+    return []
+
+
+def test_ngram_matches_its_definition_on_random_histories():
+    rng = np.random.default_rng(5)
+    for trial in range(400):
+        n_min = int(rng.integers(1, 3))
+        n_max = int(rng.integers(n_min, 5))
+        p = NgramProposer(k=int(rng.integers(1, 9)), n_max=n_max, n_min=n_min)
+        tokens = rng.integers(0, int(rng.integers(2, 6)), size=int(rng.integers(0, 40))).tolist()
+        limit = int(rng.integers(0, 10))
+        assert p.propose(tokens, limit) == _ngram_by_definition(tokens, p.k, n_max, n_min, limit), (tokens, trial)

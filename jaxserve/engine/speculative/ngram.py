@@ -25,10 +25,19 @@ class NgramProposer:
         if limit <= 0 or len(tokens) < self.n_min + 1:
             return []
         t = np.asarray(tokens, np.int64)
-        for n in range(min(self.n_max, len(t) - 1), self.n_min - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(t[:-1], n)  # every n-gram with a successor
-            hits = np.flatnonzero((windows == t[-n:]).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n  # the latest earlier occurrence
+        # ends[j]: the positions e <= len - 2 whose earlier tokens match the last j + 1 tokens
+        # (t[e - i] == t[-1 - i] for i <= j), found by one pass over the history for the last
+        # token and then narrowing those few candidates
+        ends = [np.flatnonzero(t[:-1] == t[-1])]
+        for j in range(1, self.n_max):
+            e = ends[-1]
+            e = e[e >= j]
+            e = e[t[e - j] == t[-1 - j]]
+            if not len(e):
+                break
+            ends.append(e)
+        for n in range(len(ends), self.n_min - 1, -1):
+            if len(ends[n - 1]):
+                start = int(ends[n - 1][-1]) + 1  # after the latest earlier occurrence
                 return t[start : start + limit].tolist()
         return []
