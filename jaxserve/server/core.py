@@ -21,7 +21,7 @@ from jaxserve.server.errors import ServeError
 from jaxserve.server.events import Failed
 from jaxserve.server.generations import Generations
 from jaxserve.server.limits import ServeLimits, StreamSlots, watch_unread
-from jaxserve.server.refusals import RefusalBudget
+from jaxserve.server.refusals import DoorHold, RefusalBudget
 
 LARGE_TEXT_CHARS = 65536  # texts this long are tokenized on the LARGE_TEXT_WORKERS pool
 LARGE_TEXT_WORKERS = 2
@@ -42,6 +42,7 @@ class ServingCore:
         self.limits = (limits or ServeLimits()).resolved(info.max_context)
         self.slots = StreamSlots(self.limits)
         self.refusals = RefusalBudget(self.limits.client_refusal_rate)
+        self.door = DoorHold(self.limits.door_hold_s)
         self.generations = Generations(engine_loop, metrics, max_waiting, info.max_num_seqs,
                                        self.limits.max_queued_per_client)
         self._large_texts = concurrent.futures.ThreadPoolExecutor(LARGE_TEXT_WORKERS, "jaxserve-tokenize")
@@ -71,12 +72,13 @@ class ServingCore:
     async def past_the_door(self, owner: str, checks):
         """``await checks()`` (a request's checks and submission) for a caller whose refusal
         bucket (``refusals``; API keys only) is not empty, else RESOURCE_EXHAUSTED / 429 before
-        anything of the request is read; a refusal ``checks`` raises that is the caller's fault
-        is counted against it."""
+        anything of the request is read, after the door's hold; a refusal ``checks`` raises that
+        is the caller's fault is counted against it."""
         key = owner if self.keys.enabled else ""  # with keys, every caller's owner is its key's identity
         wait = self.refusals.closed_for(key) if key else None
         if wait is not None:
-            raise errors.refused_at_door(wait)
+            await self.door.hold(key, wait)
+            raise errors.refused_at_door(self.refusals.closed_for(key) or 0.0)
         try:
             return await checks()
         except ServeError as e:

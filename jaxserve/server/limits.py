@@ -53,6 +53,9 @@ class ServeLimits:
     # --client-refusal-rate: refusals a second one client may cause before its next requests are
     # refused at the door (``refusals``; 0 = no bound).
     client_refusal_rate: float = 10.0
+    # --door-hold: seconds a refusal at the door may be held before it is answered (``refusals``;
+    # it is answered when the client's door reopens, if that is sooner; 0 = at once).
+    door_hold_s: float = 1.0
 
     def __post_init__(self):
         lowest = dict(max_stop_strings=0, max_stop_bytes=0, max_stop_token_ids=0, max_streams_per_peer=1,
@@ -65,6 +68,8 @@ class ServeLimits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.client_refusal_rate >= 0:
             raise ValueError(f"client_refusal_rate must be >= 0, got {self.client_refusal_rate}")
+        if not self.door_hold_s >= 0:
+            raise ValueError(f"door_hold_s must be >= 0, got {self.door_hold_s}")
         if not self.stream_idle_timeout_s > 0:
             raise ValueError(f"stream_idle_timeout_s must be > 0, got {self.stream_idle_timeout_s}")
 

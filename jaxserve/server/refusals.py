@@ -17,12 +17,22 @@ A client is the caller's API key identity, so the bound applies only when the se
 shared (every client behind a router or proxy comes over its few connections, and one of them
 could close the door on all) or renewed at will (a new connection per request gets a full
 bucket): neither is worth a bound. Event loop only (no locks).
+
+A refusal at the door is answered after a hold (``DoorHold``): when the client's door reopens,
+or ``--door-hold`` seconds later if that is sooner. A client that retries as soon as it is
+refused (or starts a stream on each of many connections in a loop) then sends as many requests
+a second as it has calls held, not as many as the server can refuse: each refusal still costs
+the server the call's set-up, and on a server's shared cores that is what the well-behaved
+clients pay for. A held call is a sleeping coroutine; a client has at most ``MAX_HELD`` held at
+once, and its calls past that are answered at once.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 
 MAX_TRACKED = 4096  # buckets kept before the full ones are forgotten
+MAX_HELD = 64  # a client's refusals held at the door at once
 
 
 class RefusalBudget:
@@ -61,3 +71,29 @@ class RefusalBudget:
         self._buckets[client] = (self._tokens(client, now) - 1, now)
         if len(self._buckets) > MAX_TRACKED:
             self._buckets = {c: (t, a) for c, (t, a) in self._buckets.items() if self._tokens(c, now) < self.burst}
+
+
+class DoorHold:
+    """The hold before a refusal at the door (see the module doc); hold_s 0: none."""
+
+    def __init__(self, hold_s: float, max_held: int = MAX_HELD):
+        if not hold_s >= 0:
+            raise ValueError(f"the door hold must be >= 0 seconds, got {hold_s}")
+        self.hold_s, self.max_held = float(hold_s), max_held
+        self._held: dict[str, int] = {}  # client -> its calls held now
+
+    def held(self, client: str) -> int:
+        return self._held.get(client, 0)
+
+    async def hold(self, client: str, wait: float) -> None:
+        """Sleep min(wait, hold_s), unless ``client`` has max_held calls held already."""
+        n = self.held(client)
+        if self.hold_s <= 0 or wait <= 0 or n >= self.max_held:
+            return
+        self._held[client] = n + 1
+        try:
+            await asyncio.sleep(min(wait, self.hold_s))
+        finally:
+            left = self._held.pop(client) - 1
+            if left:
+                self._held[client] = left

@@ -95,6 +95,10 @@ def add_limit_args(p) -> None:
                         f"(an API key, else a host) may cause, with a burst of twice that; past it the client's next "
                         f"requests are refused at the door, before their body is read, with RESOURCE_EXHAUSTED / "
                         f"HTTP 429 and a retry hint (0 = no bound; default {d.client_refusal_rate:g})")
+    p.add_argument("--door-hold", type=float, default=d.door_hold_s,
+                   help=f"seconds a refusal at the door (--client-refusal-rate) is held before it is answered, at "
+                        f"most until the client's door reopens: a client retrying in a loop then sends as many "
+                        f"requests as it has calls held, up to 64 a client (0 = at once; default {d.door_hold_s:g})")
     p.add_argument("--max-streams", type=int, default=d.max_streams,
                    help=f"open GenerateStream calls in total before RESOURCE_EXHAUSTED (default {d.max_streams})")
     p.add_argument("--stream-idle-timeout", type=float, default=d.stream_idle_timeout_s,
@@ -136,4 +140,4 @@ def limits_from(args):
                        stream_idle_timeout_s=args.stream_idle_timeout, max_messages=args.max_messages,
                        max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
                        max_queued_per_client=args.max_queued_per_client,
-                       client_refusal_rate=args.client_refusal_rate)
+                       client_refusal_rate=args.client_refusal_rate, door_hold_s=args.door_hold)

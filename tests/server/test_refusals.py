@@ -76,7 +76,8 @@ def keyed():
     from jaxserve.server.limits import ServeLimits
     from jaxserve.testing import MockLLM
 
-    limits = ServeLimits(**{**LIMITS, "client_refusal_rate": RATE})
+    # no hold: the door's own answers, each at once (the hold: test_a_refusal_at_the_door_is_held)
+    limits = ServeLimits(**{**LIMITS, "client_refusal_rate": RATE, "door_hold_s": 0.0})
     st = ServerThread(MockLLM(**MOCK_ENGINE), max_waiting=MAX_WAITING, limits=limits, http_port=0,
                       served_model_name=MODEL_NAME, keys=ApiKeys([BAD, GOOD, DROPPER])).start()
     st.wait_ready()
