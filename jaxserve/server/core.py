@@ -69,11 +69,12 @@ class ServingCore:
         """The caller's identity from its headers (None: a key is required and missing or wrong)."""
         return self.keys.identity(metadata)
 
-    async def past_the_door(self, owner: str, checks):
+    async def past_the_door(self, owner: str, checks, request_bytes=lambda: 0):
         """``await checks()`` (a request's checks and submission) for a caller whose refusal
         bucket (``refusals``; API keys only) is not empty, else RESOURCE_EXHAUSTED / 429 before
         anything of the request is read, after the door's hold; a refusal ``checks`` raises that
-        is the caller's fault is counted against it."""
+        is the caller's fault is counted against it, weighed by ``request_bytes()``: the bytes
+        of the request read by then."""
         key = owner if self.keys.enabled else ""  # with keys, every caller's owner is its key's identity
         wait = self.refusals.closed_for(key) if key else None
         if wait is not None:
@@ -83,7 +84,7 @@ class ServingCore:
             return await checks()
         except ServeError as e:
             if key and e.client_fault:
-                self.refusals.refused(key)
+                self.refusals.refused(key, request_bytes())
             raise
 
     def check_id(self, kind: str, value: str) -> str:

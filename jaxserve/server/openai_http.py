@@ -135,7 +135,8 @@ class OpenAIFrontEnd:
         (ServeError, ClientDisconnect, ...) having submitted nothing and holding no stream slot.
         A caller refused too often is refused here before its body is read (``refusals``)."""
         arrival, owner = time.perf_counter(), self._owner(request)
-        return await self.core.past_the_door(owner, lambda: self._checked_submit(request, parse, peer, arrival, owner))
+        return await self.core.past_the_door(owner, lambda: self._checked_submit(request, parse, peer, arrival, owner),
+                                             lambda: getattr(request.state, "body_bytes", 0))
 
     async def _checked_submit(self, request: Request, parse, peer: str, arrival: float, owner: str):
         core = self.core
@@ -180,6 +181,7 @@ class OpenAIFrontEnd:
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
+            request.state.body_bytes = size  # what a refusal weighs (``refusals``)
             if size > limit:
                 raise too_large
             chunks.append(chunk)

@@ -3,11 +3,13 @@
 Every bound at the edge (body size, JSON depth, message count, the per-client queue) refuses a
 bad request cheaply, but not for free: a 10,000-message chat is received and parsed before its
 count is known, and a client can send them in a loop. Each refusal a client causes (its fault:
-invalid, too large, not found, over its own queue bound) takes a token from that client's
-bucket, which refills at ``rate`` tokens a second up to ``burst``; so does each stream the
-client drops before its end (``ServingCore.finish``: work started and thrown away, which a
-client starting and abandoning streams in a loop makes the engine do for nothing). With the bucket empty the
-client's next requests are refused at the door, before their HTTP body is read (gRPC: before any
+invalid, too large, not found, over its own queue bound) takes tokens from that client's
+bucket, one and one more per ``REFUSAL_BYTES`` of request the server read (a 480 KB chat refused
+for its message count takes eight: what the client made the server do, not just how often); the
+bucket refills at ``rate`` tokens a second up to ``burst``. Each stream the client drops before
+its end takes one too (``ServingCore.finish``: work started and thrown away, which a client
+starting and abandoning streams in a loop makes the engine do for nothing). With the bucket
+empty the client's next requests are refused at the door, before their HTTP body is read (gRPC: before any
 check of the message), with RESOURCE_EXHAUSTED / HTTP 429 and the time until a token is back; refusals at
 the door take nothing more. A client that is never refused never meets the bound, and one that
 stops misbehaving is served again after ``1 / rate`` seconds.
@@ -33,6 +35,7 @@ import time
 
 MAX_TRACKED = 4096  # buckets kept before the full ones are forgotten
 MAX_HELD = 64  # a client's refusals held at the door at once
+REFUSAL_BYTES = 65536  # a refusal takes one more token per this many bytes of its request
 
 
 class RefusalBudget:
@@ -63,12 +66,12 @@ class RefusalBudget:
         tokens = self._tokens(client, self._clock())
         return None if tokens >= 1 else (1 - tokens) / self.rate
 
-    def refused(self, client: str) -> None:
-        """Count one refusal of ``client``'s."""
+    def refused(self, client: str, request_bytes: int = 0) -> None:
+        """Count one refusal of ``client``'s, of a request of ``request_bytes`` bytes."""
         if not self.on:
             return
         now = self._clock()
-        self._buckets[client] = (self._tokens(client, now) - 1, now)
+        self._buckets[client] = (self._tokens(client, now) - 1 - request_bytes // REFUSAL_BYTES, now)
         if len(self._buckets) > MAX_TRACKED:
             self._buckets = {c: (t, a) for c, (t, a) in self._buckets.items() if self._tokens(c, now) < self.burst}
 

@@ -92,7 +92,8 @@ def add_limit_args(p) -> None:
                         f"--max-waiting (0 = no bound; default {d.max_queued_per_client})")
     p.add_argument("--client-refusal-rate", type=float, default=d.client_refusal_rate,
                    help=f"refused requests (invalid, too large, over --max-queued-per-client) a second one client "
-                        f"(an API key, else a host) may cause, with a burst of twice that; past it the client's next "
+                        f"(an API key, else a host) may cause, with a burst of twice that (a refusal counts one more "
+                        f"per 64 KiB of request read); past it the client's next "
                         f"requests are refused at the door, before their body is read, with RESOURCE_EXHAUSTED / "
                         f"HTTP 429 and a retry hint (0 = no bound; default {d.client_refusal_rate:g})")
     p.add_argument("--door-hold", type=float, default=d.door_hold_s,

@@ -168,7 +168,8 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         submitted then). handoff: the engine's KV handoff arguments (export_kv / kv_import). A
         caller refused too often is refused first, before any check (``refusals``)."""
         arrival, owner = time.perf_counter(), self.core.identity(context.invocation_metadata()) or ""
-        return await self.core.past_the_door(owner, lambda: self._checked_submit(req, context, handoff, arrival, owner))
+        return await self.core.past_the_door(owner, lambda: self._checked_submit(req, context, handoff, arrival, owner),
+                                             req.ByteSize)
 
     async def _checked_submit(self, req: pb.GenerateRequest, context, handoff: dict | None, arrival: float,
                               owner: str):

@@ -17,7 +17,7 @@ from jaxserve.server.refusals import RefusalBudget
 
 from .conftest import LIMITS, MAX_WAITING, MOCK_ENGINE, MODEL_NAME, http_call, on_the_mock_server
 
-BAD, GOOD, DROPPER = "bad-client-key", "good-client-key", "dropping-client-key"
+BAD, GOOD, DROPPER, HEAVY = "bad-client-key", "good-client-key", "dropping-client-key", "heavy-client-key"
 RATE = 2.0  # refusals a second; burst 4
 
 served, cases = on_the_mock_server()
@@ -51,6 +51,17 @@ def test_bucket_closes_after_its_burst_and_reopens_at_its_rate():
     assert b.closed_for("a") is not None
 
 
+def test_a_refusal_weighs_one_token_and_one_more_per_refusal_bytes_of_request():
+    from jaxserve.server.refusals import REFUSAL_BYTES
+
+    clock = Clock()
+    b = RefusalBudget(2.0, clock=clock)  # burst 4
+    b.refused("a", REFUSAL_BYTES - 1)
+    assert b.closed_for("a") is None  # one token: three left
+    b.refused("a", 2 * REFUSAL_BYTES)
+    assert b.closed_for("a") == pytest.approx(0.5)  # three more: none left
+
+
 def test_rate_zero_is_off_and_bad_values_are_refused():
     b = RefusalBudget(0)
     for _ in range(100):
@@ -79,7 +90,7 @@ def keyed():
     # no hold: the door's own answers, each at once (the hold: test_a_refusal_at_the_door_is_held)
     limits = ServeLimits(**{**LIMITS, "client_refusal_rate": RATE, "door_hold_s": 0.0})
     st = ServerThread(MockLLM(**MOCK_ENGINE), max_waiting=MAX_WAITING, limits=limits, http_port=0,
-                      served_model_name=MODEL_NAME, keys=ApiKeys([BAD, GOOD, DROPPER])).start()
+                      served_model_name=MODEL_NAME, keys=ApiKeys([BAD, GOOD, DROPPER, HEAVY])).start()
     st.wait_ready()
     yield st
     st.stop()
@@ -116,6 +127,16 @@ def test_a_client_refused_too_often_is_refused_at_the_door_alone(keyed):
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     time.sleep(1.5 / RATE)
     assert _post(keyed, BAD, good_body)[0] == 200  # served again once a token is back
+
+
+def test_a_large_refused_body_closes_the_door_at_once(keyed):
+    """Over HTTP a refusal weighs the body the server read: one invalid request of 300 KB takes
+    the whole burst (4 tokens at 64 KiB a token more), where a small one takes one."""
+    pad = "x" * (300 << 10)
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2, "temperature": -1, "user": pad}
+    assert _post(keyed, HEAVY, body)[0] == 400
+    status, answer, _ = _post(keyed, HEAVY, {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2})
+    assert status == 429 and "--client-refusal-rate" in answer["error"]["message"]
 
 
 def _streams(st, key, n: int, drop: bool) -> int:
