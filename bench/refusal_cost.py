@@ -130,7 +130,11 @@ def main() -> int:
     from jaxserve.server.auth import ApiKeys
     from jaxserve.testing.mock_llm import MockLLM
 
-    st = ServerThread(MockLLM(), keys=ApiKeys([REFUSED, OTHER]), metrics_port=None).start()
+    from jaxserve.server.limits import ServeLimits
+
+    # no hold (--door-hold 0): each refusal answered at once, as the bare servers do
+    st = ServerThread(MockLLM(), keys=ApiKeys([REFUSED, OTHER]), metrics_port=None,
+                      limits=ServeLimits(door_hold_s=0.0)).start()
     st.wait_ready(timeout=60)
     servers = {"jaxserve": st.target, "bare-abort": BareServer(True).target, "bare-return": BareServer(False).target}
     ms = {name: [] for name in servers}
