@@ -107,7 +107,7 @@ def test_always_keeps_drafts_and_auto_scores_them_as_a_shadow():
     motif = [11, 12, 13, 14, 15]
     for policy in ("always", "auto"):
         dec = SpeculativeDecoder(NgramProposer(3), 100, 512, None, 0.3, policy)
-        record(dec.gate.costs, "verify", 1, 0.100)  # a verify call costing 10 decode calls
+        record(dec.gate.costs, "verify", 1, 0.035)  # a verify call costing 3.5 decode calls (of at most 4 tokens)
         record(dec.gate.costs, "decode", 1, 0.010)
         seq = fake_seq(motif * 3, 4)
         dec.propose([seq])
@@ -127,10 +127,33 @@ def test_always_keeps_drafts_and_auto_scores_them_as_a_shadow():
         assert (seq.spec.drafted, seq.spec.verify_steps) == (0, 0)  # usage counts verified drafts only
 
 
+def test_auto_drafts_nothing_where_no_verify_call_can_pay():
+    """A bucket whose verify call costs more decode calls than k + 1 (every draft accepted):
+    its rows are not proposed for (no host work) and keep no shadow; another bucket drafts."""
+    class Counting(NgramProposer):
+        calls = 0
+
+        def propose(self, tokens, limit):
+            Counting.calls += 1
+            return super().propose(tokens, limit)
+
+    dec = SpeculativeDecoder(Counting(3), 100, 512, None, 0.3, "auto")
+    record(dec.gate.costs, "verify", 2, 0.041)  # 4.1 decode calls at 2 rows: past 3 + 1
+    record(dec.gate.costs, "decode", 2, 0.010)
+    record(dec.gate.costs, "verify", 1, 0.035)  # 3.5 at 1 row
+    record(dec.gate.costs, "decode", 1, 0.010)
+    assert dec.gate.hopeless(2, 3) and not dec.gate.hopeless(1, 3) and not dec.gate.hopeless(4, 3)
+    seqs = [fake_seq([11, 12, 13, 14, 15] * 3, 4) for _ in range(2)]
+    dec.propose(seqs)
+    assert Counting.calls == 0 and all(s.draft_ids == [] and s.spec.shadow is None for s in seqs)
+    dec.propose(seqs[:1])
+    assert Counting.calls == 1 and seqs[0].spec.shadow == ([11, 12, 13], 4)
+
+
 def test_auto_gives_the_greedy_tokens_of_speculation_off(tmp_path, monkeypatch):
     """A tiny Llama (its random weights copy the n-gram drafts): "auto" first verifies (each
     bucket's verify call measured), then with a verify call made to cost 50 decode calls it
-    decodes plainly and scores the drafts as shadows; both give the tokens of speculation off."""
+    decodes plainly and drafts nothing (no call can pay); both give the tokens of speculation off."""
     build_llama(tmp_path, num_hidden_layers=2, seed=2)
     llm = LLM(str(tmp_path), kv_format="bf16", num_pages=96, page_size=4, max_num_seqs=4, max_model_len=128,
               dtype="float32", speculative="ngram", num_speculative_tokens=3)
@@ -152,5 +175,5 @@ def test_auto_gives_the_greedy_tokens_of_speculation_off(tmp_path, monkeypatch):
     engine_tries = spec.gate.engine.tries
     assert [list(c) for c in llm.generate(prompts, sp)] == want
     assert spec.verify_steps == steps  # every batch decoded plainly
-    assert spec.gate.engine.tries > engine_tries  # ... its drafts scored against what it emitted
+    assert spec.gate.engine.tries == engine_tries  # ... and drafted nothing to score
     assert llm.engine.bm.num_used_pages == 0 and llm.engine.snapshot().integrity_mismatches == {}

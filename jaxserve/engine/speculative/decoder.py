@@ -107,6 +107,9 @@ class SpeculativeDecoder:
                 seq.spec = SpecStats()
             decoding.append(seq)
             self._score_shadow(seq)
+        if self.policy == "auto" and decoding and self.gate.hopeless(bucket(len(decoding)), self.k):
+            return
+        for seq in decoding:
             if len(seq.output_ids) < seq.spec.paused_until:
                 continue
             limit = min(seq.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.total_len - 1)

@@ -18,6 +18,8 @@ expected tokens at least ``EXPLORE_MARGIN`` of what the call must emit) still ve
 ``FIRST_EXPLORE`` declined steps (doubling up to ``MAX_EXPLORE``), so a cost measured under a
 passing load, or a proposer whose acceptance is only seen by verifying (MTP), is measured again;
 far from break-even it never does (such a call would cost several decode calls for little).
+Where a bucket's verify call costs more decode calls than a row could emit with every draft
+accepted (``hopeless``), its rows do not draft at all: the proposals' host work is saved too.
 """
 from __future__ import annotations
 
@@ -107,6 +109,12 @@ class BatchGate:
 
     def row_rate(self, recent: Acceptance) -> float:
         return recent.rate(self.engine.rate(0.5, 1.0))
+
+    def hopeless(self, batch: int, k: int) -> bool:
+        """Whether no verify call at this bucket can pay: its measured cost is more decode calls
+        than the k + 1 tokens a row emits with every draft accepted (then rows draft nothing)."""
+        cost = self.costs.ratio(batch)
+        return cost is not None and cost > k + 1
 
     def decide(self, rows: list[tuple[Acceptance, int]], batch: int) -> bool:
         """rows: (each decode row's recent acceptance, its draft count); batch: the bucket's
