@@ -67,6 +67,13 @@ def max_rows(isa: str | None = None) -> dict[str, int]:
         out.update(VNNI_ROWS)
     elif isa != "amx":
         out.update(MADD_ROWS)
+    out.update(row_overrides())
+    return out
+
+
+def row_overrides() -> dict[str, int]:
+    """JAXSERVE_NATIVE_ROWS as {family: rows}."""
+    out = {}
     for part in filter(None, (p.strip() for p in os.environ.get(ROWS_ENV, "").split(","))):
         fam, _, rows = part.partition("=")
         if fam not in KERNELS or not rows.strip().isdigit():
@@ -149,8 +156,8 @@ GROUPED = {"int4": int4_grouped, "fp8": fp8_grouped, "fp8_block": fp8_grouped, "
 def wide_rows(family: str, isa: str) -> int:
     """The rows ``family``'s native path serves on weights at least WIDE_N wide (0: as any other;
     also where JAXSERVE_NATIVE_ROWS sets the family)."""
-    named = {p.partition("=")[0].strip() for p in os.environ.get(ROWS_ENV, "").split(",")}
-    return WIDE_ROWS.get(family, 0) if isa in ("avx512", "avx512-vnni") and family not in named else 0
+    wide = isa in ("avx512", "avx512-vnni") and family not in row_overrides()
+    return WIDE_ROWS.get(family, 0) if wide else 0
 
 
 def native_path(family: str, fallback, max_rows: int, isa: str, amx_rows: int | None = None,

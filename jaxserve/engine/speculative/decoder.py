@@ -107,7 +107,8 @@ class SpeculativeDecoder:
                 seq.spec = SpecStats()
             decoding.append(seq)
             self._score_shadow(seq)
-        if self.policy == "auto" and decoding and self.gate.hopeless(bucket(len(decoding)), self.k):
+        batch = bucket(len(decoding)) if decoding else 0
+        if self.policy == "auto" and decoding and self.gate.hopeless(batch, self.k):
             return
         for seq in decoding:
             if len(seq.output_ids) < seq.spec.paused_until:
@@ -116,7 +117,7 @@ class SpeculativeDecoder:
             seq.draft_ids = self.proposer.propose(seq.all_ids, limit)
         if self.policy == "always" or not decoding:
             return
-        if self.gate.decide([(s.spec.recent, len(s.draft_ids)) for s in decoding], bucket(len(decoding))):
+        if self.gate.decide([(s.spec.recent, len(s.draft_ids)) for s in decoding], batch):
             return
         for s in decoding:
             if s.draft_ids and s.spec.shadow is None and not self.proposer.on_device:
