@@ -57,7 +57,8 @@ def check(y, ref, mag):
     assert np.all(err <= 1), np.max(err)
 
 
-SHAPES = [(1, 200, 77), (3, 1000, 200), (5, 96, 64), (8, 64, 136), (9, 130, 300)]
+SHAPES = [(1, 200, 77), (3, 1000, 200), (5, 96, 64), (8, 64, 136), (9, 130, 300),
+          (7, 1536, 129)]  # W4A8: 4 chunks of 12 groups (g32), a 5-row pass and a 2-row pass
 W4_SHAPES = SHAPES + [(13, 160, 700), (17, 64, 129)]  # rows past one shared unpacking (8)
 
 
@@ -180,10 +181,26 @@ def test_the_avx2_kernels_pass_and_match_vnni_to_the_bit(tmp_path):
         np.testing.assert_array_equal(got, avx2[f"arr_{i}"], err_msg=f"case {i}")
 
 
+@needs_native
+def test_the_thread_count_does_not_change_a_bit(tmp_path):
+    """W4A8 splits K into chunks that threads claim as they come, W8A8 and the rest split N: the
+    sums are added in a fixed order, so one thread (JAXSERVE_NATIVE_THREADS=1, a subprocess)
+    gives the bits two or more give: a request's tokens do not depend on the machine's load."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import numpy as np\nfrom tests.kernels.test_int_matmul import bit_cases\n"
+            f"np.savez({str(tmp_path / 'one.npz')!r}, *bit_cases())")
+    env = {**os.environ, "JAXSERVE_NATIVE_THREADS": "1", "JAX_PLATFORMS": "cpu"}
+    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=300, cwd=root).returncode == 0
+    one = np.load(tmp_path / "one.npz")
+    for i, got in enumerate(bit_cases()):
+        np.testing.assert_array_equal(got, one[f"arr_{i}"], err_msg=f"case {i}")
+
+
 def bit_cases():
     """The integer kernels' outputs on a few odd shapes, as numpy arrays."""
     out = []
-    for fmt, (m, k, n) in [("int4:g32", (3, 1000, 200)), ("int4:g128", (9, 130, 300)), ("int8", (5, 1027, 65))]:
+    for fmt, (m, k, n) in [("int4:g32", (3, 1000, 200)), ("int4:g128", (9, 130, 300)), ("int8", (5, 1027, 65)),
+                           ("int4:g32", (7, 1536, 2000))]:
         qw = quantize(rand((k, n), seed=k + n, scale=0.05), fmt)
         out.append(np.asarray(jax.jit(KERNELS[fmt.split(":")[0]][1])(jnp.asarray(rand((m, k), seed=m)), qw)))
     return out

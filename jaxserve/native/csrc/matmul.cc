@@ -3,10 +3,12 @@
 // on CPUs with AMX tile kernels for many rows (amx.inc; isa.inc says which run).
 //
 // Every kernel computes y[M, N] = x[M, K] . decode(w)[K, N] reading w as jaxserve stores it
-// (row-major [K, N], N contiguous), one strip of columns at a time, decoded in registers and
-// multiplied into up to 4 rows x the strip's accumulators. Nothing dense is ever written. A
-// strip is read once per 4 rows of x (it stays in L2 between row chunks), so the cost is the
-// weight's stored bytes for the batches decode runs (M <= 8).
+// (row-major [K, N], N contiguous), decoded in registers and multiplied into a few rows x a
+// panel's accumulators. Nothing dense is ever written. Most kernels walk one strip of columns
+// at a time down K, read once per chunk of rows of x (it stays in L2 between row chunks);
+// W4A8 on AVX512-VNNI (walk.inc) reads whole stored rows in address order instead, one group's
+// block at a time for all M rows. Either way the cost is the weight's stored bytes for the
+// batches decode runs (M <= 8).
 //   float kernels (kernels.inc, AVX2 and AVX-512; bf16.inc for AVX-512 bf16): bf16 and fp8
 //     decoded to float32, f32 activations, FMA into f32 accumulators held in registers while
 //     the strip walks K row by row (each stored row one contiguous run, prefetched ahead);
@@ -59,6 +61,11 @@ constexpr int64_t kExactChunk = 1024;
 using jaxserve_native::ParallelFor;
 using jaxserve_native::ThreadCap;
 
+// W4A8 splits K into at most kW4Chunks chunks of whole groups, sums each chunk from zero and
+// adds the chunks in order (walk.inc on AVX512-VNNI, madd.inc on AVX2: the same bits on both).
+constexpr int64_t kW4Chunks = 4;
+inline int64_t W4ChunkGroups(int64_t groups) { return (groups + kW4Chunks - 1) / kW4Chunks; }
+
 // ----------------------------------------------------------------------------- AVX-512
 namespace avx512 {
 #pragma GCC push_options
@@ -70,6 +77,7 @@ namespace avx512 {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")
 #include "vnni.inc"
+#include "walk.inc"
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx512vbmi,amx-tile,amx-bf16,amx-int8,f16c,fma")
@@ -103,7 +111,7 @@ void Int4Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t Kp, cons
   if (UseAmx(kInt4, M))
     avx512::amx::RunInt4(pool, x, M, Kp, w, N, s, G, y);
   else if (IsaLevel() >= 3)
-    avx512::vnni::RunW4A8(pool, x, M, Kp, w, N, s, G, y);
+    avx512::vnni::RunW4A8Walk(pool, x, M, Kp, w, N, s, G, y);
   else
     avx2::madd::RunW4A8(pool, x, M, Kp, w, N, s, G, y);
 }
