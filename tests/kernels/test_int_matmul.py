@@ -94,7 +94,7 @@ def test_w4a8_rows_do_not_depend_on_the_batch(fmt):
 
 
 @needs_native
-@pytest.mark.parametrize("m,k,n", SHAPES + [(2, 1027, 65)])
+@pytest.mark.parametrize("m,k,n", SHAPES + [(2, 1027, 65), (2, 16400, 70)])  # two float partial sums of 16384 k
 def test_w8a8_against_numpy(m, k, n):
     qw = quantize(rand((k, n), seed=k + n, scale=0.05), "int8")
     x = rand((m, k), seed=m)
@@ -200,7 +200,7 @@ def bit_cases():
     """The integer kernels' outputs on a few odd shapes, as numpy arrays."""
     out = []
     for fmt, (m, k, n) in [("int4:g32", (3, 1000, 200)), ("int4:g128", (9, 130, 300)), ("int8", (5, 1027, 65)),
-                           ("int4:g32", (7, 1536, 2000))]:
+                           ("int4:g32", (7, 1536, 2000)), ("int8", (6, 16400, 70))]:
         qw = quantize(rand((k, n), seed=k + n, scale=0.05), fmt)
         out.append(np.asarray(jax.jit(KERNELS[fmt.split(":")[0]][1])(jnp.asarray(rand((m, k), seed=m)), qw)))
     return out
