@@ -6,8 +6,8 @@
 // (row-major [K, N], N contiguous), decoded in registers and multiplied into a few rows x a
 // panel's accumulators. Nothing dense is ever written. Most kernels walk one strip of columns
 // at a time down K, read once per chunk of rows of x (it stays in L2 between row chunks);
-// W4A8 on AVX512-VNNI (walk.inc) reads whole stored rows in address order instead, one group's
-// block at a time for all M rows. Either way the cost is the weight's stored bytes for the
+// the integer kernels on AVX512-VNNI (walk.inc) read whole stored rows in address order
+// instead, one block of rows (an int4 group's, 16 int8 rows) at a time for all M rows. Either way the cost is the weight's stored bytes for the
 // batches decode runs (M <= 8).
 //   float kernels (kernels.inc, AVX2 and AVX-512; bf16.inc for AVX-512 bf16): bf16 and fp8
 //     decoded to float32, f32 activations, FMA into f32 accumulators held in registers while
