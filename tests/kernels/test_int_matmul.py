@@ -58,7 +58,8 @@ def check(y, ref, mag):
 
 
 SHAPES = [(1, 200, 77), (3, 1000, 200), (5, 96, 64), (8, 64, 136), (9, 130, 300),
-          (7, 1536, 129)]  # W4A8: 4 chunks of 12 groups (g32), a 5-row pass and a 2-row pass
+          (7, 1536, 129),  # W4A8: 4 chunks of 12 groups (g32), a 5-row pass and a 2-row pass
+          (9, 96, 8000)]  # wide: the walks split the columns into ranges (their sums kept in L2)
 W4_SHAPES = SHAPES + [(13, 160, 700), (17, 64, 129)]  # rows past one shared unpacking (8)
 
 
