@@ -64,7 +64,7 @@ using jaxserve_native::ThreadCap;
 // W4A8 splits K into at most kW4Chunks chunks of whole groups, sums each chunk from zero and
 // adds the chunks in order (walk.inc on AVX512-VNNI, madd.inc on AVX2: the same bits on both).
 constexpr int64_t kW4Chunks = 4;
-inline int64_t W4ChunkGroups(int64_t groups) { return (groups + kW4Chunks - 1) / kW4Chunks; }
+inline int64_t W4ChunkGroups(int64_t groups) { return std::max<int64_t>(1, (groups + kW4Chunks - 1) / kW4Chunks); }
 
 // ----------------------------------------------------------------------------- AVX-512
 namespace avx512 {
