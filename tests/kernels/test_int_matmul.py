@@ -184,9 +184,9 @@ def test_the_avx2_kernels_pass_and_match_vnni_to_the_bit(tmp_path):
 
 @needs_native
 def test_the_thread_count_does_not_change_a_bit(tmp_path):
-    """W4A8 splits K into chunks that threads claim as they come, W8A8 and the rest split N: the
-    sums are added in a fixed order, so one thread (JAXSERVE_NATIVE_THREADS=1, a subprocess)
-    gives the bits two or more give: a request's tokens do not depend on the machine's load."""
+    """W4A8 and W8A8 split K into chunks that threads claim as they come; the chunks' sums are
+    added in a fixed order, so one thread (JAXSERVE_NATIVE_THREADS=1, a subprocess) gives the
+    bits two or more give: a request's tokens do not depend on the machine's load."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = ("import numpy as np\nfrom tests.kernels.test_int_matmul import bit_cases\n"
             f"np.savez({str(tmp_path / 'one.npz')!r}, *bit_cases())")

@@ -63,17 +63,15 @@ def test_kernel_against_float64_numpy(fmt, m, k, n):
     from jaxserve.quant.native_paths import KERNELS
     from jaxserve.quant.paths import family_of
 
+    fam = "fp8" if family_of(fmt).startswith("fp8") else family_of(fmt)
+    if m >= (native.status().amx_rows or {}).get(fam, 1 << 30):  # the AMX-BF16 tiles: bf16 operands
+        from tests.kernels.test_amx_matmul import check_bf16_tiles
+
+        return check_bf16_tiles(fmt, m, k, n)
     qw = quantize(rand((k, n), seed=k + n, scale=0.05), fmt)
     x = rand((m, k), seed=m)
     _, kernel = KERNELS[family_of(fmt)]
     y = jax.jit(kernel)(jnp.asarray(x), qw)
-    fam = "fp8" if family_of(fmt).startswith("fp8") else family_of(fmt)
-    if m >= (native.status().amx_rows or {}).get(fam, 1 << 30):  # AMX-BF16 tiles: x and w rounded to bf16
-        import ml_dtypes
-
-        x = x.astype(ml_dtypes.bfloat16).astype(np.float32)
-        w = np_dequant32(qw).astype(ml_dtypes.bfloat16).astype(np.float32)
-        return check(y, x, w)
     check(y, x, np_dequant32(qw))
 
 

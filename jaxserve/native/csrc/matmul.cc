@@ -7,8 +7,8 @@
 // panel's accumulators. Nothing dense is ever written. Most kernels walk one strip of columns
 // at a time down K, read once per chunk of rows of x (it stays in L2 between row chunks);
 // the integer kernels on AVX512-VNNI (walk.inc) read whole stored rows in address order
-// instead, one block of rows (an int4 group's, 16 int8 rows) at a time for all M rows. Either way the cost is the weight's stored bytes for the
-// batches decode runs (M <= 8).
+// instead, one block of rows (an int4 group's, 16 int8 rows) at a time for all M rows. Either
+// way the cost is the weight's stored bytes for the batches decode runs (M <= 8).
 //   float kernels (kernels.inc, AVX2 and AVX-512; bf16.inc for AVX-512 bf16): bf16 and fp8
 //     decoded to float32, f32 activations, FMA into f32 accumulators held in registers while
 //     the strip walks K row by row (each stored row one contiguous run, prefetched ahead);
@@ -64,7 +64,9 @@ using jaxserve_native::ThreadCap;
 // W4A8 splits K into at most kW4Chunks chunks of whole groups, sums each chunk from zero and
 // adds the chunks in order (walk.inc on AVX512-VNNI, madd.inc on AVX2: the same bits on both).
 constexpr int64_t kW4Chunks = 4;
-inline int64_t W4ChunkGroups(int64_t groups) { return std::max<int64_t>(1, (groups + kW4Chunks - 1) / kW4Chunks); }
+inline int64_t W4ChunkGroups(int64_t groups) {
+  return std::max<int64_t>(1, (groups + kW4Chunks - 1) / kW4Chunks);
+}
 
 // ----------------------------------------------------------------------------- AVX-512
 namespace avx512 {
