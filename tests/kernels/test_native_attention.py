@@ -3,7 +3,7 @@ numpy reference of its definition: every stored K/V value decoded in numpy (bf16
 through ml_dtypes, e4m3 times its vector's scale), query t of row b at position cached + t
 attending to the row's positions <= its own below cached + new, read through the page table.
 Odd head sizes (not a multiple of either vector width), several queries per row and per KV
-head, padding rows and queries, unused pages poisoned with NaN (a read of one shows), and a
+head (more than the kernel weighs at once), pages that straddle its blocks of positions, padding rows and queries, unused pages poisoned with NaN (a read of one shows), and a
 bad page id (its keys left out, nothing read out of bounds). Both instruction sets: the AVX2
 copy runs in a subprocess where the machine has AVX-512. And the "native" backend inside the
 engine gives the XLA backend's greedy tokens."""
@@ -26,6 +26,7 @@ CASES = [  # B, T, H, KVH, D, page size, pages, table width
     (2, 5, 4, 2, 24, 8, 30, 9),
     (4, 9, 8, 1, 128, 4, 64, 20),
     (1, 3, 6, 6, 13, 16, 6, 3),
+    (2, 2, 14, 2, 48, 12, 30, 12),  # 7 queries a KV head; pages of 12 straddle the 32-position blocks
 ]
 
 

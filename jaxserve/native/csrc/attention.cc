@@ -13,16 +13,21 @@
 // positions <= cached + t that are below cached + new, every key read back from its page (the
 // step's own included, as the format stores it), scores q.k * scale in f32, softmax in f32, a
 // row that sees nothing gets zeros. Positions are read in blocks of kBlock with an online
-// softmax; each query is computed alone in the same blocks whatever T or the batch, so a
-// position's result does not depend on what else the call holds. A page id outside [0, P) is
-// not read: its keys are left out (the page tracker fails such a row closed anyway).
-// Work is shared over (row, KV head) items on XLA's intra-op thread pool.
+// softmax; each query's sums are its own, in the same blocks and the same order whatever T,
+// the batch or how many queries are weighed together, so a position's result does not depend
+// on what else the call holds. A page id outside [0, P) is not read: its keys are left out
+// (the page tracker fails such a row closed anyway). A block's K and V rows are converted to
+// f32 a page's run at a time; with D a multiple of the vector width, its scores are summed W
+// positions at once (Isa::ReduceAddEach: the bits of one dot product at a time) and its
+// weighted V sums for up to 4 queries at once. Work is shared over (row, KV head) items on
+// XLA's intra-op thread pool.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include "parallel.h"
@@ -53,16 +58,33 @@ struct PagedKv {
   float scale;
 };
 
-// Per-thread buffers of one item: a K row, a block of V rows, scores and weights per query,
-// and each query's running max, denominator and weighted sum.
+// Cache-line-aligned float storage: a vector store into the scratch never splits over two lines.
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
+  bool operator==(const LineAligned&) const { return true; }
+  bool operator!=(const LineAligned&) const { return false; }
+};
+using Floats = std::vector<float, LineAligned<float>>;
+
+// Per-thread buffers of one item: a block of K rows and one of V rows, scores and
+// weights per query, and each query's running max, denominator, last correction and weighted sum.
 struct Scratch {
-  std::vector<float> row, v, s, p, acc, m, l;
+  Floats k, v, s, p, acc, m, l, c;
   void Reserve(int64_t Q, int64_t D) {
-    auto at_least = [](std::vector<float>& x, int64_t n) { if (int64_t(x.size()) < n) x.resize(n); };
-    at_least(row, D), at_least(v, kBlock * D), at_least(s, Q * kBlock), at_least(p, kBlock);
-    at_least(acc, Q * D), at_least(m, Q), at_least(l, Q);
+    auto at_least = [](Floats& x, int64_t n) { if (int64_t(x.size()) < n) x.resize(n); };
+    at_least(k, kBlock * D), at_least(v, kBlock * D), at_least(s, Q * kBlock);
+    at_least(p, Q * kBlock), at_least(acc, Q * D), at_least(m, Q), at_least(l, Q), at_least(c, Q);
   }
 };
+
+// The positions row b's queries read: those below cached + new.
+inline int64_t Keys(const PagedKv& kv, int64_t b) { return std::max<int64_t>(0, int64_t(kv.cached[b]) + kv.news[b]); }
 
 inline float Bf16Scalar(uint16_t bits) {
   const uint32_t u = uint32_t(bits) << 16;
@@ -106,7 +128,7 @@ void GqaRun(ffi::ThreadPool& pool, const PagedKv& kv) {
   // Small calls (a decode row over a short context) stay on the calling thread: handing an
   // item to another thread costs more than the item.
   int64_t keys = 0;
-  for (int64_t b = 0; b < kv.B; ++b) keys += std::max<int64_t>(0, int64_t(kv.cached[b]) + kv.news[b]);
+  for (int64_t b = 0; b < kv.B; ++b) keys += Keys(kv, b);
   if (keys * kv.KVH * kv.T * kv.G * kv.D < (int64_t(1) << 17)) {
     for (int64_t i = 0; i < kv.B * kv.KVH; ++i) item(i);
   } else {
