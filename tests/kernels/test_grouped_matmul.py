@@ -3,13 +3,11 @@ format: rows sorted by expert times the stacked weights [E, K, N], each expert's
 own weight only. Checked bit for bit against a per-expert loop of the dense native kernel on
 slices of the stacked weight taken in Python, with experts that get no rows, rows past the
 routed total (zeros, lax.ragged_dot's rule), sizes summing past M, and odd shapes; against a
-float64 numpy product of the numpy-decoded weights (an expert whose rows reach the AMX tiles
-against x and the weight rounded to bf16, as the tiles take them); and the registry runs it for the ragged form
+float64 numpy product of the numpy-decoded weights; and the registry runs it for the ragged form
 at every row count (XLA:CPU's ragged dot multiplies every row by every expert).
 """
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -22,19 +20,6 @@ from tests.quant_reference import np_dequant32
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status().reason}")
 FORMATS = ["int4:g32", "int4:g128", "int8", "bf16", "fp8_e4m3", "fp8:block128"]
-
-
-def on_tiles(family: str, rows: int) -> bool:
-    """Whether an expert's rows run the AMX-BF16 tiles (bf16 / fp8 weights, at least the tiles'
-    rows, on a machine with AMX): those round x and the decoded weight to bf16."""
-    amx = native.status().amx_rows or {}
-    fam = "fp8" if family == "fp8_block" else family
-    return fam in ("bf16", "fp8") and fam in amx and rows >= amx[fam]
-
-
-def as_tiles_see(a, family: str, rows: int):
-    """a (float64) as the kernel that runs `rows` rows of `family` multiplies it."""
-    return a.astype(ml_dtypes.bfloat16).astype(np.float64) if on_tiles(family, rows) else a
 
 
 def rand(shape, seed, scale=1.0):
@@ -83,11 +68,11 @@ def test_grouped_against_float64_numpy(fmt):
     e, k, n, sizes = 4, 256, 96, [3, 0, 2, 5]
     qw = quantize(rand((e, k, n), seed=3, scale=0.05), fmt)
     x = rand((sum(sizes), k), seed=4)
-    w, fam = np_dequant32(qw).astype(np.float64), family_of(fmt)
-    parts = [(as_tiles_see(x[o : o + s].astype(np.float64), fam, s), as_tiles_see(w[i], fam, s))
-             for i, (o, s) in enumerate(zip(np.cumsum([0] + sizes[:-1]), sizes)) if s]
-    want = np.concatenate([xe @ we for xe, we in parts])
-    bound = np.concatenate([np.abs(xe) @ np.abs(we) for xe, we in parts])
+    w = np_dequant32(qw).astype(np.float64)
+    want = np.concatenate([x[o : o + s].astype(np.float64) @ w[i] for i, (o, s) in
+                           enumerate(zip(np.cumsum([0] + sizes[:-1]), sizes)) if s])
+    bound = np.abs(np.concatenate([np.abs(x[o : o + s]).astype(np.float64) @ np.abs(w[i]) for i, (o, s) in
+                                   enumerate(zip(np.cumsum([0] + sizes[:-1]), sizes)) if s]))
     got = np.asarray(jax.jit(GROUPED[family_of(fmt)])(jnp.asarray(x), qw, jnp.asarray(sizes, jnp.int32)), np.float64)
     # int4 / int8 quantize the activations to int8 (W4A8 / W8A8): up to ~1/127 of |x| @ |w|
     tol = 1.2e-2 if fmt.startswith("int") else 2e-6
@@ -116,9 +101,8 @@ def test_plain_experts_run_the_grouped_kernel(dtype):
     got = np.asarray(jax.jit(expert_linear)(jnp.asarray(x), w, jnp.asarray(sizes, jnp.int32)), np.float64)
     w64, off = np.asarray(w.astype(jnp.float32), np.float64), 0
     for i, s in enumerate(sizes):
-        xe = as_tiles_see(x[off : off + s].astype(np.float64), "bf16" if dtype == "bfloat16" else "f32", s)
-        want = xe @ w64[i]
-        bound = 2e-6 * (np.abs(xe) @ np.abs(w64[i])) + 1e-30
+        want = x[off : off + s].astype(np.float64) @ w64[i]
+        bound = 2e-6 * (np.abs(x[off : off + s]).astype(np.float64) @ np.abs(w64[i])) + 1e-30
         assert np.all(np.abs(got[off : off + s] - want) <= bound), i
         off += s
     assert not got[off:].any()
