@@ -35,7 +35,7 @@ setup(
         depends=["jaxserve/native/csrc/kernels.inc", "jaxserve/native/csrc/bf16.inc", "jaxserve/native/csrc/vnni.inc",
                  "jaxserve/native/csrc/walk.inc", "jaxserve/native/csrc/amx.inc", "jaxserve/native/csrc/isa.inc",
                  "jaxserve/native/csrc/madd.inc",
-                 "jaxserve/native/csrc/rows.h", "jaxserve/native/csrc/parallel.h",
+                 "jaxserve/native/csrc/rows.h", "jaxserve/native/csrc/parallel.h", "jaxserve/native/csrc/aligned.h",
                  "jaxserve/native/csrc/simd512.inc", "jaxserve/native/csrc/simd256.inc", "jaxserve/native/csrc/attention.inc"],
         language="c++",
         extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes", "-Wno-return-type", "-Wno-psabi"],

@@ -6,7 +6,8 @@ rounded to bf16 likewise, the product in float64: only the kernel's float32 accu
 differs. AMX-INT8 (int8 per channel, W8A8): the activations quantized here per row (d =
 amax / 127, rint(x / d) in float32), the integer dots in int64, the scales in float64. Odd
 shapes: K and N not multiples of a tile (32 / 64 k, 16 columns), rows 17, 33, 130 (a partial
-16-row tile, a 32-row block plus one row, several blocks); M = 1 and 5 reach the AMX kernels
+16-row tile, a 32-row block plus one row, several blocks), 300 rows of a 2000-deep weight (two
+row ranges: a strip packed twice; whole tiles stored straight to y beside partial ones); M = 1 and 5 reach the AMX kernels
 in a subprocess with JAXSERVE_NATIVE_AMX_ROWS=1, as does int4's bf16-tile kernel (off by default:
 int4 runs the W4A8 VNNI kernel at every row count). Skipped where the kernels run without AMX.
 """
@@ -52,7 +53,7 @@ def quant_rows(x):
     return np.clip(np.rint((x / d).astype(np.float32)), -127, 127).astype(np.int64), d
 
 
-SHAPES = [(17, 200, 77), (33, 1000, 200), (130, 131, 300), (16, 96, 64), (40, 577, 33)]
+SHAPES = [(17, 200, 77), (33, 1000, 200), (130, 131, 300), (16, 96, 64), (40, 577, 33), (300, 2000, 50)]
 BF16_FORMATS = ["bf16", "int4:g32", "int4:g128", "fp8_e4m3", "fp8:block128"]
 
 
@@ -100,7 +101,7 @@ def test_w8a8_tiles_against_numpy(m, k, n):
 
 
 @needs_amx
-@pytest.mark.parametrize("m,k,n", [(17, 2500, 70), (33, 1101, 33), (130, 5, 129)])
+@pytest.mark.parametrize("m,k,n", [(17, 2500, 70), (33, 1101, 33), (130, 5, 129), (300, 5000, 40)])
 def test_exact_s32_tiles(m, k, n):
     check_exact(m, k, n)
 

@@ -30,6 +30,7 @@
 #include <new>
 #include <vector>
 
+#include "aligned.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -38,6 +39,7 @@ extern "C" int jaxserve_native_isa();
 namespace {
 
 namespace ffi = xla::ffi;
+using jaxserve_native::AlignedVector;
 
 enum Kind { kF32, kBf16, kFp8 };
 constexpr int64_t kBlock = 32;  // positions per softmax block (a multiple of every vector width)
@@ -58,19 +60,7 @@ struct PagedKv {
   float scale;
 };
 
-// Cache-line-aligned float storage: a vector store into the scratch never splits over two lines.
-template <typename T>
-struct LineAligned {
-  using value_type = T;
-  LineAligned() = default;
-  template <typename U>
-  LineAligned(const LineAligned<U>&) {}
-  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
-  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
-  bool operator==(const LineAligned&) const { return true; }
-  bool operator!=(const LineAligned&) const { return false; }
-};
-using Floats = std::vector<float, LineAligned<float>>;
+using Floats = AlignedVector<float>;  // cache-line aligned (aligned.h)
 
 // Per-thread buffers of one item: a block of K rows and one of V rows, scores and
 // weights per query, and each query's running max, denominator, last correction and weighted sum.

@@ -48,6 +48,7 @@
 #include <thread>
 #include <vector>
 
+#include "aligned.h"
 #include "parallel.h"
 #include "rows.h"
 #include "xla/ffi/api/ffi.h"
@@ -60,6 +61,7 @@ constexpr int64_t kExactChunk = 1024;
 
 using jaxserve_native::ParallelFor;
 using jaxserve_native::ThreadCap;
+using jaxserve_native::AlignedVector;
 
 // W4A8 splits K into at most kW4Chunks chunks of whole groups, sums each chunk from zero and
 // adds the chunks in order (walk.inc on AVX512-VNNI, madd.inc on AVX2: the same bits on both).
