@@ -24,11 +24,13 @@ pages instead. Backends:
   log-sum-exp with the step's own tokens; sparse MLA through the sparse kernel fed each
   query's chosen slots; per device under a mesh (shard_map over heads);
 - ``pallas_interpret``: the same kernels interpreted on CPU (tests);
-- ``native``: CPU. Grouped-query attention of steps of up to ``NATIVE_MAX_QUERIES`` queries a
-  row (decode, speculative verify, short prefill chunks; in batch-invariant mode every step, in
-  query tiles) runs jaxserve's native kernel (``jaxserve.native.gqa_paged``: the pools read in
-  their own format, the numbers of the ``xla`` path, each query computed alone so a position's
-  result does not depend on the batch or T); longer GQA steps and MLA run the ``xla`` path.
+- ``native``: CPU. Grouped-query attention of every step (decode, speculative verify, prefill
+  chunks; in batch-invariant mode in query tiles) runs jaxserve's native kernel
+  (``jaxserve.native.gqa_paged``: the pools read in their own format, the numbers of the ``xla``
+  path, each query computed alone so a position's result does not depend on the batch or T);
+  MLA runs the ``xla`` path. Prefill chunks ran the ``xla`` path once (more than 16 queries a
+  row): the kernel took an 8 x 96-token prefill step from ~360 to ~220 ms (BENCHMARKS.md,
+  "Prefill attention on the native kernel").
   Under a mesh the kernel runs per device on its KV heads (shard_map) where the pools split by
   KV head, else the ``xla`` path runs. The CPU default where the native kernels load.
 """
@@ -130,9 +132,6 @@ class PallasAttention:
                                                      self.mesh)
 
 
-NATIVE_MAX_QUERIES = 16  # queries per row up to which the native backend runs its GQA kernel
-
-
 @dataclasses.dataclass(frozen=True)
 class NativeAttention:
     mesh: object = None  # the device mesh the model runs over (None: one device)
@@ -160,10 +159,8 @@ class NativeAttention:
             return per_device(body, self.mesh, args, (heads, P(), P(), P()) + (P(MODEL_AXIS),) * (len(args) - 4),
                               heads)
 
-        if row_tile():  # batch-invariant: every step in the same query tiles, all on the kernel
+        if row_tile():  # batch-invariant: every step in the same query tiles
             return by_query_tiles(one, (q,), step).astype(q.dtype)
-        if q.shape[1] > NATIVE_MAX_QUERIES:
-            return XLA.gqa(q, kv, fmt, new_k, new_v, step, scale, page_size)
         return one(q, step, None).astype(q.dtype)
 
     def kernel_devices(self, kv_heads: int, heads: int):

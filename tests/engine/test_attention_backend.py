@@ -53,21 +53,21 @@ def test_engine_decode_program_lowers_for_cuda_with_pallas(tiny_ckpt, kv_format)
 
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_e4m3"])
 def test_gqa_native_matches_xla(tmp_path, kv_format):
-    """The native backend's decode steps (the kernel) and short prefill chunks give the XLA
-    backend's greedy tokens; its decode program holds the kernel call, its long prefill chunks
-    (more than NATIVE_MAX_QUERIES a row) and MLA the XLA path."""
+    """The native backend's steps (decode and prefill chunks, all on the kernel) give the XLA
+    backend's greedy tokens; its decode programs and its prefill programs of short and long
+    chunks hold the kernel call, and the XLA backend's do not."""
     from jaxserve import native
-    from jaxserve.models.attention_backends import NATIVE_MAX_QUERIES
 
     if not native.available():
         pytest.skip(f"native kernels: {native.status().reason}")
     build_glm4_moe(tmp_path, num_hidden_layers=2)
     xla = LLM(str(tmp_path), kv_format=kv_format, attention_backend="xla", **KW)
-    nat = LLM(str(tmp_path), kv_format=kv_format, attention_backend="native", prefill_chunk=16, **KW)
+    nat = LLM(str(tmp_path), kv_format=kv_format, attention_backend="native", **KW)
     assert [list(c) for c in nat.generate(PROMPTS, SP)] == [list(c) for c in xla.generate(PROMPTS, SP)]
     assert "jaxserve_gqa_paged" in nat.runner.lower("decode", 4, tokens=1).as_text()
-    assert "jaxserve_gqa_paged" in nat.runner.lower("prefill", 4, tokens=NATIVE_MAX_QUERIES).as_text()
-    assert "jaxserve_gqa_paged" not in nat.runner.lower("prefill", 4, tokens=2 * NATIVE_MAX_QUERIES).as_text()
+    assert "jaxserve_gqa_paged" in nat.runner.lower("prefill", 4, tokens=16).as_text()
+    assert "jaxserve_gqa_paged" in nat.runner.lower("prefill", 4, tokens=32).as_text()
+    assert "jaxserve_gqa_paged" not in xla.runner.lower("prefill", 4, tokens=32).as_text()
 
 
 def test_default_backend_is_native_on_cpu_where_the_kernels_load(monkeypatch):

@@ -27,6 +27,7 @@ CASES = [  # B, T, H, KVH, D, page size, pages, table width
     (4, 9, 8, 1, 128, 4, 64, 20),
     (1, 3, 6, 6, 13, 16, 6, 3),
     (2, 2, 14, 2, 48, 12, 30, 12),  # 7 queries a KV head; pages of 12 straddle the 32-position blocks
+    (2, 37, 6, 2, 32, 16, 40, 10),  # a prefill chunk: three items of up to 16 queries a (row, KV head)
 ]
 
 
@@ -106,6 +107,26 @@ def run_case(fmt: str, case, seed: int = 0, bad_page: bool = False):
 @pytest.mark.parametrize("case", CASES)
 def test_gqa_paged_matches_numpy(fmt, case):
     run_case(fmt, case)
+
+
+@needs_native
+def test_a_querys_bits_do_not_depend_on_the_step_it_is_in():
+    """Each query of a 37-query step (the kernel's items: up to 16 queries) against the same
+    query alone, as a one-query step at its own position: the same bits."""
+    b, t, h, kvh, d, s, p, m = CASES[-1]
+    rng = np.random.default_rng(5)
+    k, v, _, _, _, _ = make_pools(rng, "bf16", (kvh, p, s, d))
+    table = rng.permutation(p)[: b * m].reshape(b, m).astype(np.int32)
+    cached = np.array([20, 3], np.int32)
+    new = np.array([t, 30], np.int32)
+    q = (rng.standard_normal((b, t, h, d)) * 0.7).astype(np.float32)
+    call = jax.jit(native.gqa_paged, static_argnums=8)
+    whole = np.asarray(call(q, k, v, None, None, table, cached, new, 0.125))
+    for i in (0, 15, 16, 17, 31, 36):
+        one = np.asarray(call(q[:, i : i + 1], k, v, None, None, table, cached + i, new - i, 0.125))
+        np.testing.assert_array_equal(one[0, 0], whole[0, i])
+        if i < new[1]:
+            np.testing.assert_array_equal(one[1, 0], whole[1, i])
 
 
 @needs_native

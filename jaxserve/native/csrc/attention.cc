@@ -1,6 +1,6 @@
 // jaxserve's native paged attention for CPU: grouped-query attention of a step's queries over
 // the K/V its pages hold, as an XLA FFI custom call (registered by jaxserve.native, run by the
-// "native" attention backend for steps of a few queries a row: decode and speculative verify).
+// "native" attention backend for every GQA step: decode, speculative verify and prefill chunks).
 //
 //   q f32 [B, T, H, D] (row b's query t at position cached[b] + t), k / v pools [KVH, P, S, D]
 //   as stored (float32; bf16 bits as u16 or bf16; e4m3fn as u8 or f8e4m3fn with f32 scales
@@ -19,8 +19,8 @@
 // (the page tracker fails such a row closed anyway). A block's K and V rows are converted to
 // f32 a page's run at a time; with D a multiple of the vector width, its scores are summed W
 // positions at once (Isa::ReduceAddEach: the bits of one dot product at a time) and its
-// weighted V sums for up to 4 queries at once. Work is shared over (row, KV head) items on
-// XLA's intra-op thread pool.
+// weighted V sums for up to 4 queries at once. Work is shared over (row, KV head, 16-query tile)
+// items on XLA's intra-op thread pool.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -106,23 +106,31 @@ namespace avx2 {
 #pragma GCC pop_options
 }  // namespace avx2
 
+// Items of (row, KV head, a tile of up to kItemQueries queries): a long step (a prefill chunk)
+// over few rows still feeds every thread, and a tile reads only the keys its last query sees.
+// A query's sums do not depend on its tile, so the tiles do not change a bit.
+constexpr int64_t kItemQueries = 16;
+
 void GqaRun(ffi::ThreadPool& pool, const PagedKv& kv) {
   const bool wide = jaxserve_native_isa() >= 2;
-  auto item = [&kv, wide](int64_t i) {
+  const int64_t tiles = (kv.T + kItemQueries - 1) / kItemQueries, per_row = kv.KVH * tiles;
+  auto item = [&kv, wide, tiles, per_row](int64_t i) {
     thread_local Scratch sc;
+    const int64_t b = i / per_row, h = i % per_row / tiles, t0 = i % tiles * kItemQueries;
+    const int64_t t1 = std::min(kv.T, t0 + kItemQueries);
     if (wide)
-      avx512::GqaItem(kv, i / kv.KVH, i % kv.KVH, sc);
+      avx512::GqaItem(kv, b, h, t0, t1, sc);
     else
-      avx2::GqaItem(kv, i / kv.KVH, i % kv.KVH, sc);
+      avx2::GqaItem(kv, b, h, t0, t1, sc);
   };
   // Small calls (a decode row over a short context) stay on the calling thread: handing an
   // item to another thread costs more than the item.
   int64_t keys = 0;
   for (int64_t b = 0; b < kv.B; ++b) keys += Keys(kv, b);
   if (keys * kv.KVH * kv.T * kv.G * kv.D < (int64_t(1) << 17)) {
-    for (int64_t i = 0; i < kv.B * kv.KVH; ++i) item(i);
+    for (int64_t i = 0; i < kv.B * per_row; ++i) item(i);
   } else {
-    jaxserve_native::ParallelFor(pool, kv.B * kv.KVH, item);
+    jaxserve_native::ParallelFor(pool, kv.B * per_row, item);
   }
 }
 
