@@ -33,7 +33,7 @@ setup(
         sources=["jaxserve/native/csrc/matmul.cc", "jaxserve/native/csrc/handlers.cc", "jaxserve/native/csrc/greedy.cc",
                  "jaxserve/native/csrc/attention.cc", "jaxserve/native/csrc/parallel.cc"],
         depends=["jaxserve/native/csrc/kernels.inc", "jaxserve/native/csrc/bf16.inc", "jaxserve/native/csrc/vnni.inc",
-                 "jaxserve/native/csrc/walk.inc", "jaxserve/native/csrc/amx.inc", "jaxserve/native/csrc/isa.inc",
+                 "jaxserve/native/csrc/walk.inc", "jaxserve/native/csrc/amx.inc", "jaxserve/native/csrc/amx_calls.inc", "jaxserve/native/csrc/isa.inc",
                  "jaxserve/native/csrc/madd.inc",
                  "jaxserve/native/csrc/rows.h", "jaxserve/native/csrc/parallel.h", "jaxserve/native/csrc/aligned.h",
                  "jaxserve/native/csrc/simd512.inc", "jaxserve/native/csrc/simd256.inc", "jaxserve/native/csrc/attention.inc"],

@@ -86,6 +86,7 @@ namespace avx512 {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx512vbmi,amx-tile,amx-bf16,amx-int8,f16c,fma")
 #include "amx.inc"
+#include "amx_calls.inc"
 #pragma GCC pop_options
 }  // namespace avx512
 
