@@ -7,9 +7,9 @@ differs. AMX-INT8 (int8 per channel, W8A8): the activations quantized here per r
 amax / 127, rint(x / d) in float32), the integer dots in int64, the scales in float64. Odd
 shapes: K and N not multiples of a tile (32 / 64 k, 16 columns), rows 17, 33, 130 (a partial
 16-row tile, a 32-row block plus one row, several blocks), 300 rows of a 2000-deep weight (two
-row ranges: a strip packed twice; whole tiles stored straight to y beside partial ones); M = 1 and 5 reach the AMX kernels
-in a subprocess with JAXSERVE_NATIVE_AMX_ROWS=1, as does int4's bf16-tile kernel (off by default:
-int4 runs the W4A8 VNNI kernel at every row count). Skipped where the kernels run without AMX.
+row ranges: a strip packed twice; whole tiles stored straight to y beside partial ones); M = 1
+and 5 reach the AMX kernels in a subprocess with JAXSERVE_NATIVE_AMX_ROWS=1, as does int4's
+bf16-tile kernel (off by default: int4 runs the W4A8 VNNI kernel at every row count). Skipped where the kernels run without AMX.
 """
 import os
 import subprocess
