@@ -33,6 +33,12 @@ activation quantization, exact int32 dots (AMX-INT8); ``w8a8_s32`` exact on AMX-
 entry has a bf16-tile kernel too (nibble times scale, rounded to bf16), which lost to the W4A8
 VNNI kernel at every row count measured, so int4 runs W4A8 unless JAXSERVE_NATIVE_AMX_ROWS.
 
+Threads: a call's work is shared over XLA's intra-op thread pool and the calling thread, except
+a matmul whose stored weight bytes times rows is under ``status().share_bytes`` (1 MiB;
+``JAXSERVE_NATIVE_SHARE_BYTES`` sets it, for measuring), which runs on the calling thread alone:
+a pool thread asleep between calls takes about as long to wake as such a call takes. The bits do
+not depend on it.
+
 The grouped-by-expert form of each (the ragged MoE matmul; ``csrc/handlers.cc``):
 ``int4_grouped(x, packed, scales, sizes, group)``, ``int8_grouped``, ``fp8_grouped``,
 ``bf16_grouped`` and ``f32_grouped`` (plain float32 weights): x f32 [M, K] rows sorted by
@@ -82,6 +88,7 @@ class NativeStatus:
     library: str | None = None
     isa: str | None = None  # "amx" | "avx512-vnni" | "avx512" | "avx2": the kernels' instruction set (cpuid)
     amx_rows: dict | None = None  # isa "amx": family -> calls of at least that many rows run its AMX kernel
+    share_bytes: int | None = None  # matmul calls with less work (weight bytes x rows) run on the calling thread
 
 
 def _library_path() -> pathlib.Path | None:
@@ -129,9 +136,12 @@ def _load() -> NativeStatus:
     if level == 4:  # the AMX kernels' row threshold per format family; NEVER: that family has none
         amx_rows = {f: int(lib.jaxserve_native_amx_rows(i)) for i, f in enumerate(AMX_FAMILIES)}
         amx_rows = {f: r for f, r in amx_rows.items() if r < NEVER}
+    lib.jaxserve_native_share_bytes.restype = ctypes.c_int64
+    share = int(lib.jaxserve_native_share_bytes())
     what = f"{ISA_NAMES[level]} kernels (cpuid)" + (
         "".join(f", AMX {f} from {r} rows" for f, r in amx_rows.items()) if amx_rows else "")
-    return NativeStatus(True, f"loaded {path.name}, {what}", str(path), ISA_NAMES[level], amx_rows)
+    what += f"; matmuls of under {share / 2**20:g} MiB of weight x rows on the calling thread"
+    return NativeStatus(True, f"loaded {path.name}, {what}", str(path), ISA_NAMES[level], amx_rows, share)
 
 
 def available() -> bool:

@@ -183,18 +183,22 @@ def test_the_avx2_kernels_pass_and_match_vnni_to_the_bit(tmp_path):
 
 
 @needs_native
-def test_the_thread_count_does_not_change_a_bit(tmp_path):
+@pytest.mark.parametrize("env", [{"JAXSERVE_NATIVE_THREADS": "1"}, {"JAXSERVE_NATIVE_SHARE_BYTES": "1"}],
+                         ids=["one-thread", "every-call-shared"])
+def test_the_thread_count_does_not_change_a_bit(tmp_path, env):
     """W4A8 and W8A8 split K into chunks that threads claim as they come; the chunks' sums are
     added in a fixed order, so one thread (JAXSERVE_NATIVE_THREADS=1, a subprocess) gives the
-    bits two or more give: a request's tokens do not depend on the machine's load."""
+    bits two or more give: a request's tokens do not depend on the machine's load. Calls of
+    little work run on the caller alone by default; JAXSERVE_NATIVE_SHARE_BYTES=1 shares every
+    call over the threads, with the same bits."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = ("import numpy as np\nfrom tests.kernels.test_int_matmul import bit_cases\n"
-            f"np.savez({str(tmp_path / 'one.npz')!r}, *bit_cases())")
-    env = {**os.environ, "JAXSERVE_NATIVE_THREADS": "1", "JAX_PLATFORMS": "cpu"}
+            f"np.savez({str(tmp_path / 'other.npz')!r}, *bit_cases())")
+    env = {**os.environ, **env, "JAX_PLATFORMS": "cpu"}
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=300, cwd=root).returncode == 0
-    one = np.load(tmp_path / "one.npz")
+    other = np.load(tmp_path / "other.npz")
     for i, got in enumerate(bit_cases()):
-        np.testing.assert_array_equal(got, one[f"arr_{i}"], err_msg=f"case {i}")
+        np.testing.assert_array_equal(got, other[f"arr_{i}"], err_msg=f"case {i}")
 
 
 def bit_cases():

@@ -110,9 +110,17 @@ namespace avx2 {
 // The kernel each format runs for M rows on this CPU (handlers.cc calls these for the dense and
 // the grouped-by-expert custom calls).
 namespace jaxserve_native {
+namespace {
+
+// A call of M rows against `bytes` of stored weight runs on the calling thread alone when its
+// work is under ShareBytes() (parallel.h).
+bool Small(int64_t bytes, int64_t M) { return bytes * std::max<int64_t>(M, 1) < ShareBytes(); }
+
+}  // namespace
 
 void Int4Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t Kp, const uint8_t* w, int64_t N,
               const float* s, int64_t G, float* y) {
+  OnCaller caller(Small(Kp / 2 * N + Kp / G * N * 4, M));
   if (UseAmx(kInt4, M))
     avx512::amx::RunInt4(pool, x, M, Kp, w, N, s, G, y);
   else if (IsaLevel() >= 3)
@@ -123,6 +131,7 @@ void Int4Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t Kp, cons
 
 void Int8Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const int8_t* w, int64_t N,
               const float* s, float* y) {
+  OnCaller caller(Small(K * N + 4 * N, M));
   if (UseAmx(kInt8, M))
     avx512::amx::RunW8A8(pool, x, M, K, w, N, s, y);
   else if (IsaLevel() >= 3)
@@ -133,6 +142,7 @@ void Int8Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const
 
 void Fp8Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
              const float* s, int64_t bk, int64_t bn, float* y) {
+  OnCaller caller(Small(K * N, M));
   if (UseAmx(kFp8, M))
     avx512::amx::RunFp8(pool, x, M, K, w, N, s, bk, bn, y);
   else
@@ -140,6 +150,7 @@ void Fp8Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const 
 }
 
 void Bf16Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
+  OnCaller caller(Small(2 * K * N, M));
   if (UseAmx(kBf16, M))
     avx512::amx::RunBf16(pool, x, M, K, w, N, y);
   else if (IsaLevel() >= 2)
@@ -149,10 +160,12 @@ void Bf16Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const
 }
 
 void F32Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y) {
+  OnCaller caller(Small(4 * K * N, M));
   JAXSERVE_ISA(RunF32(pool, x, M, K, w, N, y));
 }
 
 void ExactRows(ffi::ThreadPool& pool, const int8_t* x, int64_t M, int64_t K, const int8_t* w, int64_t N, int32_t* y) {
+  OnCaller caller(Small(K * N, M));
   if (UseAmx(kInt8, M))
     avx512::amx::RunExact(pool, x, M, K, w, N, y);
   else if (IsaLevel() >= 3)
@@ -166,6 +179,9 @@ void ExactRows(ffi::ThreadPool& pool, const int8_t* x, int64_t M, int64_t K, con
 // The instruction set the kernels run with: 4 AMX (+ 3's), 3 AVX-512 + VNNI, 2 AVX-512, 1 AVX2 (+FMA, F16C),
 // 0 none (unusable).
 extern "C" int jaxserve_native_isa() { return IsaLevel(); }
+// The least work (stored weight bytes times rows) a matmul call shares with the thread pool;
+// smaller calls run on the calling thread alone (parallel.h).
+extern "C" int64_t jaxserve_native_share_bytes() { return jaxserve_native::ShareBytes(); }
 // The fewest rows a call of format f (0 bf16, 1 int8, 2 int4, 3 fp8) needs to run on the AMX
 // kernels (where the level is 4; 1 << 30: never).
 extern "C" int jaxserve_native_amx_rows(int f) { return int(AmxRows(std::clamp(f, 0, kFormats - 1))); }

@@ -37,8 +37,23 @@ int64_t ThreadCap() {
   return cap;
 }
 
+namespace {
+thread_local bool on_caller = false;
+}  // namespace
+
+int64_t ShareBytes() {
+  static const int64_t bytes = [] {
+    const char* s = std::getenv("JAXSERVE_NATIVE_SHARE_BYTES");
+    return s && *s ? int64_t(std::atoll(s)) : kShareBytes;
+  }();
+  return bytes;
+}
+
+OnCaller::OnCaller(bool on) : was_(on_caller) { on_caller = was_ || on; }
+OnCaller::~OnCaller() { on_caller = was_; }
+
 void ParallelFor(ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> fn) {
-  int64_t threads = std::min({pool.num_threads(), ThreadCap(), total});
+  int64_t threads = on_caller ? 1 : std::min({pool.num_threads(), ThreadCap(), total});
   if (threads <= 1) {
     for (int64_t i = 0; i < total; ++i) fn(i);
     return;
