@@ -38,9 +38,10 @@ ALL = 1 << 30  # "every row count"
 MAX_ROWS = {"int4": 8, "fp8": 8, "fp8_block": 8, "bf16": 4, "int8": 4}
 # With AVX512-VNNI the W4A8 kernel beat XLA's dequantizing int4 path up to 32 rows (3.2x at 16,
 # 3.3x at 32 with AMX off; level at 64), so it serves int4 there; the W8A8 walk beat XLA's W8A8
-# dot to 8 rows (Sapphire Rapids with AMX off, the decode skeleton: 9.9 against 11.5 ms at 8
-# rows) and lost at 16 (16.7 against 13.5 ms):
-VNNI_ROWS = {"int4": 32, "int8": 8}
+# dot up to 32 rows on a Zen 4 (the decode skeleton: 14.3 against 24.5 ms at 16 rows, 27.5
+# against 43.2 at 32) and lost from 48 (70.7 against 50.9). (A Sapphire Rapids with AMX off,
+# which no deployment runs, had it losing from 16: 16.7 against 13.5 ms.)
+VNNI_ROWS = {"int4": 32, "int8": 32}
 # Without AVX512-VNNI the integer kernels run on AVX2 (vpmaddubsw): on a 2-core AMD EPYC
 # (Zen 2, AVX2 only) int4 W4A8 beat XLA's int4 path at every row count to 32 (1.87x against
 # 1.61x float32 there), int8 W8A8 beat XLA's W8A8 dot to 8 rows (3.46x against 3.05x) and lost

@@ -134,7 +134,7 @@ def test_rows_rule_per_instruction_set(monkeypatch):
 
     monkeypatch.delenv(ROWS_ENV, raising=False)
     assert max_rows("amx") == AMX_MAX_ROWS and AMX_MAX_ROWS["bf16"] == 64 and AMX_MAX_ROWS["int4"] == 32
-    assert max_rows("avx512-vnni") == {**MAX_ROWS, "int4": 32, "int8": 8}
+    assert max_rows("avx512-vnni") == {**MAX_ROWS, "int4": 32, "int8": 32}
     for isa in ("avx512", "avx2"):  # the AVX2 integer kernels
         assert max_rows(isa) == {**MAX_ROWS, "int4": 32, "int8": 8}
     monkeypatch.setenv(ROWS_ENV, "bf16=4,int8=0")
