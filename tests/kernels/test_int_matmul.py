@@ -95,7 +95,8 @@ def test_w4a8_rows_do_not_depend_on_the_batch(fmt):
 
 
 @needs_native
-@pytest.mark.parametrize("m,k,n", SHAPES + [(2, 1027, 65), (2, 16400, 70)])  # two float partial sums of 16384 k
+@pytest.mark.parametrize("m,k,n", SHAPES + [(2, 1027, 65), (2, 16400, 70)]  # two float partial sums of 16384 k
+                         + [(17, 300, 130), (32, 576, 200)])  # the rows the registry sends it with VNNI (<= 32)
 def test_w8a8_against_numpy(m, k, n):
     qw = quantize(rand((k, n), seed=k + n, scale=0.05), "int8")
     x = rand((m, k), seed=m)
@@ -104,6 +105,19 @@ def test_w8a8_against_numpy(m, k, n):
     scale = xs.astype(np.float64) * np.asarray(qw.scales, np.float64)  # [m, n]
     y = jax.jit(KERNELS["int8"][1])(jnp.asarray(x), qw)
     check(y, scale * (xq @ q), scale * (np.abs(xq) @ np.abs(q)))
+
+
+@needs_native
+def test_w8a8_rows_do_not_depend_on_the_batch():
+    """A row's W8A8 result is bit for bit the same alone and among up to 32 rows (passes of a few
+    rows, the column sums taken on the first): a decode step's tokens do not depend on how many
+    other requests share its bucket."""
+    qw = quantize(rand((576, 300), seed=9, scale=0.05), "int8")
+    f = jax.jit(KERNELS["int8"][1])
+    x = rand((32, 576), seed=4)
+    alone = np.concatenate([np.asarray(f(jnp.asarray(x[i : i + 1]), qw)) for i in range(32)])
+    for m in (2, 5, 9, 16, 17, 32):
+        np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[:m]), qw)), alone[:m], err_msg=f"{m} rows")
 
 
 @needs_native
