@@ -33,11 +33,14 @@ activation quantization, exact int32 dots (AMX-INT8); ``w8a8_s32`` exact on AMX-
 entry has a bf16-tile kernel too (nibble times scale, rounded to bf16), which lost to the W4A8
 VNNI kernel at every row count measured, so int4 runs W4A8 unless JAXSERVE_NATIVE_AMX_ROWS.
 
-Threads: a call's work is shared over XLA's intra-op thread pool and the calling thread, except
-a matmul whose stored weight bytes times rows is under ``status().share_bytes`` (1 MiB;
-``JAXSERVE_NATIVE_SHARE_BYTES`` sets it, for measuring), which runs on the calling thread alone:
-a pool thread asleep between calls takes about as long to wake as such a call takes. The bits do
-not depend on it.
+Threads: a call's work is shared by the calling thread and either the library's own crew of
+helper threads, which poll for the next call for ``status().spin_us`` after each (100 us, where a
+probe at first use finds that two threads read memory at least 1.3x as fast as one;
+``JAXSERVE_NATIVE_SPIN_US`` sets it, 0 = no crew), or, without the crew or while another call has
+it, XLA's intra-op thread pool. A matmul whose stored weight bytes times rows is under
+``status().share_bytes`` (64 KiB with the crew, 1 MiB without; ``JAXSERVE_NATIVE_SHARE_BYTES``
+sets it, for measuring) runs on the calling thread alone: a sleeping pool thread takes about as
+long to wake as such a call takes. The bits do not depend on any of it.
 
 The grouped-by-expert form of each (the ragged MoE matmul; ``csrc/handlers.cc``):
 ``int4_grouped(x, packed, scales, sizes, group)``, ``int8_grouped``, ``fp8_grouped``,
@@ -89,6 +92,7 @@ class NativeStatus:
     isa: str | None = None  # "amx" | "avx512-vnni" | "avx512" | "avx2": the kernels' instruction set (cpuid)
     amx_rows: dict | None = None  # isa "amx": family -> calls of at least that many rows run its AMX kernel
     share_bytes: int | None = None  # matmul calls with less work (weight bytes x rows) run on the calling thread
+    spin_us: int | None = None  # the crew's helper threads poll this long between calls (0: no crew)
 
 
 def _library_path() -> pathlib.Path | None:
@@ -136,12 +140,18 @@ def _load() -> NativeStatus:
     if level == 4:  # the AMX kernels' row threshold per format family; NEVER: that family has none
         amx_rows = {f: int(lib.jaxserve_native_amx_rows(i)) for i, f in enumerate(AMX_FAMILIES)}
         amx_rows = {f: r for f, r in amx_rows.items() if r < NEVER}
+    lib.jaxserve_native_spin_us.restype = ctypes.c_int64
+    lib.jaxserve_native_crew_probe.restype = ctypes.c_double
+    spin_us, probe = int(lib.jaxserve_native_spin_us()), float(lib.jaxserve_native_crew_probe())
     lib.jaxserve_native_share_bytes.restype = ctypes.c_int64
     share = int(lib.jaxserve_native_share_bytes())
     what = f"{ISA_NAMES[level]} kernels (cpuid)" + (
         "".join(f", AMX {f} from {r} rows" for f, r in amx_rows.items()) if amx_rows else "")
     what += f"; matmuls of under {share / 2**20:g} MiB of weight x rows on the calling thread"
-    return NativeStatus(True, f"loaded {path.name}, {what}", str(path), ISA_NAMES[level], amx_rows, share)
+    measured = f" (two threads read {probe:.2f}x one)" if probe else ""
+    what += (f"; helper threads poll {spin_us} us between calls{measured}" if spin_us
+             else f"; no polling helper threads{measured}")
+    return NativeStatus(True, f"loaded {path.name}, {what}", str(path), ISA_NAMES[level], amx_rows, share, spin_us)
 
 
 def available() -> bool:

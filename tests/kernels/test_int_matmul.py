@@ -197,14 +197,19 @@ def test_the_avx2_kernels_pass_and_match_vnni_to_the_bit(tmp_path):
 
 
 @needs_native
-@pytest.mark.parametrize("env", [{"JAXSERVE_NATIVE_THREADS": "1"}, {"JAXSERVE_NATIVE_SHARE_BYTES": "1"}],
-                         ids=["one-thread", "every-call-shared"])
+@pytest.mark.parametrize("env", [{"JAXSERVE_NATIVE_THREADS": "1"},
+                                 {"JAXSERVE_NATIVE_SHARE_BYTES": "1", "JAXSERVE_NATIVE_SPIN_US": "0"},
+                                 {"JAXSERVE_NATIVE_SHARE_BYTES": "1", "JAXSERVE_NATIVE_SPIN_US": "100",
+                                  "JAXSERVE_NATIVE_THREADS": "2"}],
+                         ids=["one-thread", "every-call-shared-on-the-pool", "every-call-shared-with-the-crew"])
 def test_the_thread_count_does_not_change_a_bit(tmp_path, env):
     """W4A8 and W8A8 split K into chunks that threads claim as they come; the chunks' sums are
     added in a fixed order, so one thread (JAXSERVE_NATIVE_THREADS=1, a subprocess) gives the
     bits two or more give: a request's tokens do not depend on the machine's load. Calls of
     little work run on the caller alone by default; JAXSERVE_NATIVE_SHARE_BYTES=1 shares every
-    call over the threads, with the same bits."""
+    call over the threads, with the same bits, whether XLA's pool lends them
+    (JAXSERVE_NATIVE_SPIN_US=0) or the library's own polling crew does (two threads, one helper,
+    even on a machine where the probe would leave the crew off)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = ("import numpy as np\nfrom tests.kernels.test_int_matmul import bit_cases\n"
             f"np.savez({str(tmp_path / 'other.npz')!r}, *bit_cases())")

@@ -182,6 +182,10 @@ extern "C" int jaxserve_native_isa() { return IsaLevel(); }
 // The least work (stored weight bytes times rows) a matmul call shares with the thread pool;
 // smaller calls run on the calling thread alone (parallel.h).
 extern "C" int64_t jaxserve_native_share_bytes() { return jaxserve_native::ShareBytes(); }
+// How long the crew's helper threads poll between calls, in microseconds (0: no crew), and the
+// probe's ratio behind that choice (0: not measured; parallel.h).
+extern "C" int64_t jaxserve_native_spin_us() { return jaxserve_native::SpinNs() / 1000; }
+extern "C" double jaxserve_native_crew_probe() { return jaxserve_native::CrewProbe(); }
 // The fewest rows a call of format f (0 bf16, 1 int8, 2 int4, 3 fp8) needs to run on the AMX
 // kernels (where the level is 4; 1 << 30: never).
 extern "C" int jaxserve_native_amx_rows(int f) { return int(AmxRows(std::clamp(f, 0, kFormats - 1))); }

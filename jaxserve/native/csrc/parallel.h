@@ -17,12 +17,26 @@ int64_t ThreadCap();
 // of this thread that is on, the caller runs every chunk itself.
 void ParallelFor(xla::ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> fn);
 
-// The least work (a matmul's stored weight bytes times its rows) worth sharing with the pool:
-// JAXSERVE_NATIVE_SHARE_BYTES, else kShareBytes. A pool thread that has gone to sleep between
-// calls takes microseconds to wake, as long as a small call takes on one thread, so a decode
-// step's small calls ran faster on the caller alone (BENCHMARKS.md, "Small calls on the caller").
+// The least work (a matmul's stored weight bytes times its rows) worth sharing with other
+// threads: JAXSERVE_NATIVE_SHARE_BYTES, else kCrewShareBytes with the crew below, else
+// kShareBytes. A pool thread that has gone to sleep between calls takes microseconds to wake,
+// as long as a small call takes on one thread, so without the crew a decode step's small calls
+// ran faster on the caller alone (BENCHMARKS.md, "Small calls on the caller").
 constexpr int64_t kShareBytes = int64_t(1) << 20;
+constexpr int64_t kCrewShareBytes = int64_t(64) << 10;
 int64_t ShareBytes();
+
+// The crew: ThreadCap() - 1 helper threads of the library's own that, after each call, keep
+// polling for the next one for SpinNs() before they sleep, so a decode step's calls (tens of
+// microseconds apart) are shared without a wake-up. JAXSERVE_NATIVE_SPIN_US sets the polling
+// time in microseconds (0: no crew, XLA's pool as before); unset or "auto", a probe at first use
+// decides: the crew polls kSpinUs where two threads read memory at least kCrewProbe times as
+// fast as one (each vCPU a core of its own), and there is no crew where they do not (two vCPUs
+// of one core: a polling thread takes the load units the caller would use).
+constexpr int64_t kSpinUs = 100;
+constexpr double kCrewProbe = 1.3;
+int64_t SpinNs();
+double CrewProbe();  // the probe's ratio (two threads' read rate over one's), 0 if not measured
 
 // While alive and `on`, ParallelFor calls made on this thread run on it alone (scopes nest).
 class OnCaller {
