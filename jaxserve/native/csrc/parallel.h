@@ -8,7 +8,7 @@
 
 namespace jaxserve_native {
 
-// The most threads a kernel uses: JAXSERVE_NATIVE_THREADS, else the machine's hardware threads.
+// The most threads a kernel uses: JAXSERVE_NATIVE_THREADS, else the CPUs the process may run on.
 int64_t ThreadCap();
 
 // fn(chunk) for chunk in [0, total), over the pool's threads and the caller. Chunks are claimed
