@@ -1,8 +1,9 @@
 """jaxserve's native CPU matmul kernels vs XLA's paths vs float32, on a decode step's matrices.
 
 The SmolLM2-135M decode skeleton: every matrix a batch-M decode step multiplies (30 layers of
-q/k/v/o/gate/up/down and the 576 x 49152 tied head), in one jitted call per (format, path), the
-calls interleaved in rotating order, --reps timed each; reported: best ms per call, stored
+q/k/v/o/gate/up/down and the 576 x 49152 tied head), in one jitted call per (format, path)
+(independent calls, which XLA may run two or more at a time; --chain makes each wait for the one
+before, as a program's layers do), the calls interleaved in rotating order, --reps timed each; reported: best ms per call, stored
 GB/s, speed relative to float32 from the same process. --no-amx adds the same build's kernels
 with AMX off (a second copy of the library), so AMX and the VNNI/AVX-512 kernels are timed
 side by side. Plus the copy bandwidth of the machine
@@ -84,6 +85,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--baseline", default=None, help="another build of the kernels (.so) to time alongside")
+    ap.add_argument("--chain", action="store_true",
+                    help="each call's input depends on the one before (as in a decode program, where XLA runs "
+                         "the calls one after another on one thread); without it the calls are independent "
+                         "and XLA may run several at once on its pool's threads")
     ap.add_argument("--no-amx", action="store_true",
                     help="also time a second copy of this build with its AMX kernels off (the VNNI/AVX-512 ones)")
     args = ap.parse_args(argv)
@@ -126,6 +131,8 @@ def main(argv=None) -> int:
                 acc = jnp.float32(0)
                 for w in weights:
                     acc = acc + dense(x if w.shape[0] == 576 else x2, w)[0, 0]
+                    if args.chain:  # adds nothing, but the next call must wait for this one
+                        x, x2 = x + 0 * acc, x2 + 0 * acc
                 return acc
             fns[name] = jax.jit(step)
         times = {n: [] for n in cases}

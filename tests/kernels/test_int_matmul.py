@@ -9,7 +9,9 @@ shapes: N not a multiple of a vector or a panel, K not a multiple of 4 or of the
 rows. Where the CPU has VNNI, the AVX2 kernels (JAXSERVE_NATIVE_ISA=avx2) are checked too, in
 a subprocess: against numpy, and bit for bit against the VNNI kernels.
 """
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -218,6 +220,34 @@ def test_the_thread_count_does_not_change_a_bit(tmp_path, env):
     other = np.load(tmp_path / "other.npz")
     for i, got in enumerate(bit_cases()):
         np.testing.assert_array_equal(got, other[f"arr_{i}"], err_msg=f"case {i}")
+
+
+@needs_native
+def test_the_crew_is_what_the_settings_say():
+    """JAXSERVE_NATIVE_SPIN_US sets the helper crew's polling (0: none), one thread has no crew,
+    and unset a probe decides and the status says what it measured (subprocesses: the choice is
+    made once per process)."""
+    code = ("import json\nfrom jaxserve import native\n"
+            "s = native.status()\nprint(json.dumps([s.spin_us, s.share_bytes, s.reason]))")
+
+    def status(**env):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("JAXSERVE_NATIVE")} | env
+        out = subprocess.run([sys.executable, "-c", code], env={**env, "JAX_PLATFORMS": "cpu"}, timeout=120,
+                             capture_output=True, text=True, check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    spin, share, reason = status(JAXSERVE_NATIVE_SPIN_US="0")
+    assert (spin, share) == (0, 1 << 20) and "no polling helper threads" in reason, reason
+    spin, share, reason = status(JAXSERVE_NATIVE_SPIN_US="250", JAXSERVE_NATIVE_THREADS="2")
+    assert (spin, share) == (250, 64 << 10) and "helper threads poll 250 us" in reason, reason
+    spin, _, reason = status(JAXSERVE_NATIVE_THREADS="1")
+    assert spin == 0 and "two threads read" not in reason, reason  # nothing to share: no probe
+    spin, share, reason = status()
+    measured = re.search(r"two threads read ([0-9.]+)x one", reason)
+    ratio = float(measured.group(1)) if measured else 0.0  # none: a process on one CPU
+    if abs(ratio - 1.3) >= 0.01:  # (printed to two places)
+        assert spin == (100 if ratio >= 1.3 else 0), reason
+    assert share == (64 << 10 if spin else 1 << 20), reason
 
 
 def bit_cases():
