@@ -61,7 +61,12 @@ class Crew {
       if (sleepers_) cv_.notify_all();
     }
     Work(*job);
-    while (job->done.load(std::memory_order_acquire) < job->total) _mm_pause();
+    // Chunks a helper has claimed: poll, and let another thread have this CPU now and then (a
+    // helper preempted mid-chunk may need it).
+    for (int64_t n = 1; job->done.load(std::memory_order_acquire) < job->total; ++n) {
+      _mm_pause();
+      if (n % 256 == 0) std::this_thread::yield();
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       job_.reset();
