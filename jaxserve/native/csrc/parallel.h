@@ -1,4 +1,5 @@
-// Work shared over XLA's intra-op thread pool (the FFI ThreadPool) by the native kernels.
+// Work shared by the native kernels: over their own crew of helper threads (below), or XLA's
+// intra-op thread pool (the FFI ThreadPool).
 #pragma once
 
 #include <cstdint>
@@ -11,7 +12,8 @@ namespace jaxserve_native {
 // The most threads a kernel uses: JAXSERVE_NATIVE_THREADS, else the CPUs the process may run on.
 int64_t ThreadCap();
 
-// fn(chunk) for chunk in [0, total), over the pool's threads and the caller. Chunks are claimed
+// fn(chunk) for chunk in [0, total), over the crew (if there is one and no other call has it)
+// or else the pool's threads, and the caller. Chunks are claimed
 // from an atomic counter; the caller works too and waits only for chunks already claimed, so a
 // task that starts late finds nothing left and nothing can deadlock. Inside an OnCaller scope
 // of this thread that is on, the caller runs every chunk itself.
