@@ -65,8 +65,9 @@ using jaxserve_native::AlignedVector;
 
 // W4A8 splits K into at most kW4Chunks chunks of whole groups, sums each chunk from zero and
 // adds the chunks in order (walk.inc on AVX512-VNNI, madd.inc on AVX2: the same bits on both).
-// Two: one long stream a thread for the caller and one helper (four measured 4-13% slower per
-// decode step with the crew, six slower still: BENCHMARKS.md, "One core per decode program").
+// Two: one long stream a thread for the caller and one helper (four measured 3-7% slower per
+// one-row decode step with the crew and 4-15% at 8 rows, six slower still: BENCHMARKS.md, "One
+// core per decode program").
 constexpr int64_t kW4Chunks = 2;
 inline int64_t W4ChunkGroups(int64_t groups) {
   return std::max<int64_t>(1, (groups + kW4Chunks - 1) / kW4Chunks);

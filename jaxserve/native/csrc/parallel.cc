@@ -13,7 +13,6 @@
 #include <mutex>
 #include <string>
 #include <thread>
-#include <vector>
 
 namespace jaxserve_native {
 namespace {
@@ -48,12 +47,11 @@ class Crew {
     for (int64_t t = 0; t < helpers; ++t) std::thread([this] { Loop(); }).detach();
   }
 
-  // Runs job on the crew and the calling thread: kRan; kBusy (nothing run) while another caller
-  // has the crew. Helpers asleep are woken and join when they can: a call over before they wake
-  // ran on the caller alone, and the caller waits only for chunks a helper has claimed.
-  enum Outcome { kRan, kBusy };
-  Outcome Run(const std::shared_ptr<Job>& job) {
-    if (busy_.exchange(true, std::memory_order_acquire)) return kBusy;
+  // Runs job on the crew and the calling thread; false (nothing run) while another caller has the
+  // crew. Helpers asleep are woken and join when they can: a call over before they wake ran on
+  // the caller alone, and the caller waits only for chunks a helper has claimed.
+  bool Run(const std::shared_ptr<Job>& job) {
+    if (busy_.exchange(true, std::memory_order_acquire)) return false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       job_ = job;
@@ -72,7 +70,7 @@ class Crew {
       job_.reset();
     }
     busy_.store(false, std::memory_order_release);
-    return kRan;
+    return true;
   }
 
  private:
@@ -116,8 +114,7 @@ class Crew {
 
 int64_t ThreadCap() {
   static const int64_t cap = [] {
-    const char* s = std::getenv("JAXSERVE_NATIVE_THREADS");
-    int64_t v = s ? std::atoll(s) : 0;
+    const int64_t v = EnvInt("JAXSERVE_NATIVE_THREADS", 0);
     if (v > 0) return v;
     cpu_set_t cpus;  // the CPUs this process may run on (taskset, cgroups), not every CPU online
     if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0) return int64_t(std::max(1, CPU_COUNT(&cpus)));
@@ -188,7 +185,7 @@ namespace {
 thread_local bool on_caller = false;
 
 Crew* TheCrew() {
-  static Crew* crew = SpinNs() > 0 && ThreadCap() > 1 ? new Crew(ThreadCap() - 1, SpinNs()) : nullptr;
+  static Crew* crew = SpinNs() > 0 ? new Crew(ThreadCap() - 1, SpinNs()) : nullptr;  // SpinNs(): 0 on one CPU
   return crew;
 }
 }  // namespace
@@ -203,7 +200,7 @@ OnCaller::~OnCaller() { on_caller = was_; }
 
 void ParallelFor(ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> fn) {
   Crew* crew = on_caller ? nullptr : TheCrew();
-  int64_t threads = on_caller ? 1 : std::min({crew ? ThreadCap() : pool.num_threads(), ThreadCap(), total});
+  int64_t threads = on_caller ? 1 : std::min(crew ? ThreadCap() : std::min(pool.num_threads(), ThreadCap()), total);
   if (threads <= 1) {
     for (int64_t i = 0; i < total; ++i) fn(i);
     return;
@@ -211,8 +208,7 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t total, std::function<void(int64_
   auto job = std::make_shared<Job>();
   job->total = total;
   job->fn = std::move(fn);
-  const Crew::Outcome ran = crew ? crew->Run(job) : Crew::kBusy;
-  if (ran == Crew::kRan) return;
+  if (crew && crew->Run(job)) return;
   // The crew is taken by another caller's call (this one shares XLA's pool), or there is none.
   threads = std::min({pool.num_threads(), ThreadCap(), total});
   for (int64_t t = 1; t < threads; ++t) pool.Schedule([job] { Work(*job); });

@@ -32,7 +32,7 @@ int64_t ShareBytes();
 // polling for the next one for SpinNs() before they sleep, so a decode step's calls (tens of
 // microseconds apart) are shared without a wake-up. JAXSERVE_NATIVE_SPIN_US sets the polling
 // time in microseconds (0: no crew, XLA's pool as before); unset or "auto", a probe at first use
-// decides: the crew polls kSpinUs where two threads read memory at least kCrewProbe times as
+// (~70 ms, once a process) decides: the crew polls kSpinUs where two threads read memory at least kCrewProbe times as
 // fast as one (each vCPU a core of its own), and there is no crew where they do not (two vCPUs
 // of one core: a polling thread takes the load units the caller would use).
 constexpr int64_t kSpinUs = 100;
