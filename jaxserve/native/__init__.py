@@ -25,9 +25,10 @@ Entry points (x f32 [M, K]; all return f32 [M, N] except ``w8a8_s32``):
   (bk x bn) block;
 - ``bf16_w16a32(x, w)``: bf16 weights widened exactly to f32.
 
-With AMX (isa "amx"), calls of at least ``status().amx_rows[family]`` rows (16 for bf16,
-int8 and fp8; ``JAXSERVE_NATIVE_AMX_ROWS`` sets every family, for measuring) run tile
-kernels instead: bf16 and fp8 weights decoded to bf16 tiles (e4m3 times its scale in f32, rounded to
+With AMX (isa "amx"), calls of at least ``status().amx_rows[family]`` rows (16 for bf16
+and fp8, 8 for int8 where K <= 16384, whose tiles then give the VNNI kernel's bits, 16 for deeper
+int8; ``JAXSERVE_NATIVE_AMX_ROWS`` sets every family ("R") or some ("int8=4,bf16=32"), for
+measuring) run tile kernels instead: bf16 and fp8 weights decoded to bf16 tiles (e4m3 times its scale in f32, rounded to
 bf16), x rounded to bf16, f32 accumulation (AMX-BF16); int8 as W8A8 with the VNNI kernel's
 activation quantization, exact int32 dots (AMX-INT8); ``w8a8_s32`` exact on AMX-INT8. The int4
 entry has a bf16-tile kernel too (nibble times scale, rounded to bf16), which lost to the W4A8

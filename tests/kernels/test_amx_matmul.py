@@ -11,6 +11,7 @@ row ranges: a strip packed twice; whole tiles stored straight to y beside partia
 and 5 reach the AMX kernels in a subprocess with JAXSERVE_NATIVE_AMX_ROWS=1, as does int4's
 bf16-tile kernel (off by default: int4 runs the W4A8 VNNI kernel at every row count). Skipped where the kernels run without AMX.
 """
+import json
 import os
 import subprocess
 import sys
@@ -119,6 +120,25 @@ def test_every_format_on_the_tiles_from_one_row():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=root)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+@needs_amx
+def test_amx_rows_per_format_from_the_environment():
+    """JAXSERVE_NATIVE_AMX_ROWS moves every format's tile threshold ("R") or some ("F=R,...");
+    unset, int8 takes the tiles from 8 rows and bf16 and fp8 from 16 (subprocesses: read once)."""
+    code = "import json\nfrom jaxserve import native\nprint(json.dumps(native.status().amx_rows))"
+
+    def rows(value):
+        env = {k: v for k, v in os.environ.items() if k != "JAXSERVE_NATIVE_AMX_ROWS"} | {"JAX_PLATFORMS": "cpu"}
+        if value is not None:
+            env["JAXSERVE_NATIVE_AMX_ROWS"] = value
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                             check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    assert rows(None) == {"bf16": 16, "int8": 8, "fp8": 16}
+    assert rows("4") == {"bf16": 4, "int8": 4, "int4": 4, "fp8": 4}
+    assert rows("int8=2,bf16=32") == {"bf16": 32, "int8": 2, "fp8": 16}
 
 
 @needs_amx

@@ -123,6 +123,22 @@ def test_w8a8_rows_do_not_depend_on_the_batch():
 
 
 @needs_native
+def test_w8a8_rows_of_a_deep_weight_do_not_depend_on_the_batch():
+    """Past 16384 k the walk sums its int32 parts in float (vnni.inc's kW8Chunk) where AMX's
+    tiles keep one int32 sum, so a deep weight stays on the walk below 16 rows (isa.inc's
+    UseAmxInt8; from 8 rows the tiles take weights of one part): a row's bits alone and among
+    9 or 12 rows agree."""
+    # codes near the top: int32 sums of ~2 x 10^8, where float32's spacing is 16 and the two ways
+    # of summing round apart
+    qw = quantize((1 + 0.2 * np.abs(rand((16400, 70), seed=11))).astype(np.float32), "int8")
+    f = jax.jit(KERNELS["int8"][1])
+    x = (1 + 0.2 * np.abs(rand((12, 16400), seed=5))).astype(np.float32)
+    alone = np.concatenate([np.asarray(f(jnp.asarray(x[i : i + 1]), qw)) for i in range(12)])
+    for m in (9, 12):
+        np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[:m]), qw)), alone[:m], err_msg=f"{m} rows")
+
+
+@needs_native
 @pytest.mark.parametrize("fmt", ["int4:g32", "int4:g128"])
 def test_w4a8_at_the_extreme_codes(fmt):
     """Every nibble at 7 (the largest unsigned code the kernels multiply) against activations

@@ -38,6 +38,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <atomic>
 #include <cstdint>
@@ -135,7 +136,7 @@ void Int4Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t Kp, cons
 void Int8Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const int8_t* w, int64_t N,
               const float* s, float* y) {
   OnCaller caller(Small(K * N + 4 * N, M));
-  if (UseAmx(kInt8, M))
+  if (UseAmxInt8(M, K))
     avx512::amx::RunW8A8(pool, x, M, K, w, N, s, y);
   else if (IsaLevel() >= 3)
     avx512::vnni::RunW8A8(pool, x, M, K, w, N, s, y);
@@ -169,7 +170,7 @@ void F32Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const 
 
 void ExactRows(ffi::ThreadPool& pool, const int8_t* x, int64_t M, int64_t K, const int8_t* w, int64_t N, int32_t* y) {
   OnCaller caller(Small(K * N, M));
-  if (UseAmx(kInt8, M))
+  if (UseAmxInt8(M, K))
     avx512::amx::RunExact(pool, x, M, K, w, N, y);
   else if (IsaLevel() >= 3)
     avx512::vnni::RunExactVnni(pool, x, M, K, w, N, y);
