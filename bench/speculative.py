@@ -4,7 +4,10 @@ use the same compiled prefill and decode programs), at 1 and 8 requests, for a w
 repeats its input (rewrite / code-edit prompts) and for random prompts; greedy.
 
 Decode tok/s = generated tokens after each batch's first token / the wall time after it
-(``LLM.stats``). Off and on alternate, ``--rounds`` times each; the ratio is of the medians.
+(``LLM.stats``). Off and on alternate, ``--rounds`` times each; the ratio is of the medians. The
+engine is warmed up first (as ``jaxserve serve`` does), so no timed run compiles a program: the
+buckets a run meets depend on the gate's choices, which an untimed run of the same shape need
+not repeat.
 
     .venv/bin/python bench/speculative.py --out bench/results/speculative.json
     .venv/bin/python bench/speculative.py --decode-weights int4:g32 --out bench/results/speculative_int4.json
@@ -69,6 +72,7 @@ def main():
     formats = dict(decode_weights=args.decode_weights, prefill_weights=args.prefill_weights,
                    tied_head_weights=args.tied_head_weights, kv_format=args.kv_format)
     llm = LLM(max_num_seqs=8, num_pages=512, speculative="ngram", num_speculative_tokens=args.k, **formats)
+    llm.warmup()  # every bucket built before timing: which ones a run meets depends on the gate's choices
     spec = llm.engine.spec
     calls = {"decode": 0, "verify": 0}  # program calls during the timed "on" runs: what the gate chose
 

@@ -179,7 +179,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         if self.spec is not None:  # draft tokens first: the scheduler maps their slots
-            self.spec.propose(self.scheduler.running)
+            self.spec.propose(self.scheduler.running, waiting=bool(self.scheduler.waiting))
         sched = self.scheduler.schedule()
         self.runner.apply_generation_updates(*self.bm.take_generation_updates())
         events: dict[str, list[int]] = {}  # request id -> token ids sampled this step

@@ -21,7 +21,7 @@ from jaxserve.engine.outputs import StepRecord
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.speculative import gate as gate_mod
 from jaxserve.engine.speculative.decoder import SpeculativeDecoder
-from jaxserve.engine.speculative.gate import Acceptance, BatchGate, expected_tokens, verify_pays
+from jaxserve.engine.speculative.gate import Acceptance, BatchGate, batch_progress, expected_tokens, verify_pays
 from jaxserve.engine.speculative.ngram import NgramProposer
 
 
@@ -95,6 +95,42 @@ def test_gate_measures_then_decides_then_explores():
     record(g.costs, "verify", 1, 0.020)
     record(g.costs, "decode", 1, 0.010)
     assert g.decide(rows[:1], 1)  # the same row alone: 4.1 tokens per call costing 2
+
+
+def test_a_closed_batch_verifies_only_where_its_end_moves():
+    """No request waiting: the batch ends with its longest row, so a verify call must save that
+    many steps of plain decoding (batch_progress, each row's tokens still to go). Four rows
+    drafting well among eight pay by the token count (the refilling case), not when all eight
+    have 40 tokens to go (the end moves one step), and again when the drafting rows are the
+    longest ones."""
+    hi = expected_tokens(0.9, 4)
+    assert batch_progress([hi] * 4 + [1.0] * 4, [40] * 8) == pytest.approx(1.0)
+    assert batch_progress([hi] * 4 + [1.0] * 4, [40] * 4 + [10] * 4) == pytest.approx(hi)
+    assert batch_progress([hi], [3]) == pytest.approx(hi)  # one row: the tokens it gains
+    g = BatchGate()
+    record(g.costs, "verify", 8, 0.015)
+    record(g.costs, "decode", 8, 0.010)  # a verify call costing 1.5 decode calls
+    rows = [(high(), 4)] * 4 + [(Acceptance(), 0)] * 4
+    assert g.decide(rows, 8)  # ~4.9 x 4 + 4 tokens >= 8 x 1.5
+    assert not g.decide(rows, 8, [40] * 8)
+    assert g.decide(rows, 8, [40] * 4 + [10] * 4)
+
+
+def test_propose_weighs_a_closed_batch_by_its_longest_rows():
+    """SpeculativeDecoder.propose: with a request waiting the drafting row verifies (tokens
+    count wherever they come from); with none, the row drafting is the shorter one, so the
+    batch decodes plainly and keeps the drafts as a shadow."""
+    motif = [11, 12, 13, 14, 15]
+    dec = SpeculativeDecoder(NgramProposer(3), 100, 512, None, 0.3, "auto")
+    record(dec.gate.costs, "verify", 2, 0.012)
+    record(dec.gate.costs, "decode", 2, 0.010)
+    for waiting, verifies in ((True, True), (False, False)):
+        drafting, other = fake_seq(motif * 3, 4), fake_seq(list(range(40, 60)), 4)
+        other.params = types.SimpleNamespace(max_tokens=200)  # the longer row drafts nothing
+        dec.gate.engine = Acceptance(90.0, 100.0)
+        dec.propose([drafting, other], waiting=waiting)
+        assert bool(drafting.draft_ids) == verifies, waiting
+        assert (drafting.spec.shadow is not None) == (not verifies)
 
 
 def fake_seq(tokens, generated):

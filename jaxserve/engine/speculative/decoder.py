@@ -95,9 +95,10 @@ class SpeculativeDecoder:
         """T of the verify programs: the last token and k drafts."""
         return self.k + 1
 
-    def propose(self, running) -> None:
+    def propose(self, running, waiting: bool = True) -> None:
         """Set ``draft_ids`` of every running sequence (empty where it drafts nothing this step,
-        and for every row where the auto policy's gate decodes the batch plainly)."""
+        and for every row where the auto policy's gate decodes the batch plainly); ``waiting``:
+        whether a request waits for a slot (if not, the gate weighs the batch as closed)."""
         decoding = []
         for seq in running:
             seq.draft_ids = []
@@ -117,7 +118,8 @@ class SpeculativeDecoder:
             seq.draft_ids = self.proposer.propose(seq.all_ids, limit)
         if self.policy == "always" or not decoding:
             return
-        if self.gate.decide([(s.spec.recent, len(s.draft_ids)) for s in decoding], batch):
+        remaining = None if waiting else [s.params.max_tokens - len(s.output_ids) for s in decoding]
+        if self.gate.decide([(s.spec.recent, len(s.draft_ids)) for s in decoding], batch, remaining):
             return
         for s in decoding:
             if s.draft_ids and s.spec.shadow is None and not self.proposer.on_device:

@@ -20,6 +20,12 @@ passing load, or a proposer whose acceptance is only seen by verifying (MTP), is
 far from break-even it never does (such a call would cost several decode calls for little).
 Where a bucket's verify call costs more decode calls than a row could emit with every draft
 accepted (``hopeless``), its rows do not draft at all: the proposals' host work is saved too.
+
+While no request waits for a slot, the batch is closed: its decoding ends when its longest row
+does, so tokens a verify call gives the rows that will finish first buy nothing. Then the call
+must also move the batch's end (``batch_progress``: the steps of plain decoding it saves, from
+each row's tokens still to go) by at least its cost; eight rows of equal length gain only what
+every row gains.
 """
 from __future__ import annotations
 
@@ -48,6 +54,12 @@ def verify_pays(expected: list[float], cost: float) -> bool:
     verify call pays when it emits at least what ``cost`` plain decode calls would (one token
     per row each)."""
     return sum(expected) >= cost * len(expected)
+
+
+def batch_progress(expected: list[float], remaining: list[int]) -> float:
+    """Steps of plain decoding a verify call saves a closed batch: the batch ends after
+    max(remaining) decode steps, and after the call after max(remaining - expected)."""
+    return max(remaining) - max(r - e for r, e in zip(remaining, expected))
 
 
 @dataclasses.dataclass
@@ -116,9 +128,10 @@ class BatchGate:
         cost = self.costs.ratio(batch)
         return cost is not None and cost > k + 1
 
-    def decide(self, rows: list[tuple[Acceptance, int]], batch: int) -> bool:
+    def decide(self, rows: list[tuple[Acceptance, int]], batch: int, remaining: list[int] | None = None) -> bool:
         """rows: (each decode row's recent acceptance, its draft count); batch: the bucket's
-        padded rows -> whether the batch runs as a verify call."""
+        padded rows; remaining: each row's tokens still to go where the batch is closed (no
+        request waiting; None: the batch refills) -> whether the batch runs as a verify call."""
         if not any(d for _, d in rows):
             return False
         if self.costs.seconds("verify", batch) is None:
@@ -127,6 +140,8 @@ class BatchGate:
         if cost is None:  # the plain decode call is not measured at this bucket yet
             return False
         expected = [expected_tokens(self.row_rate(r), d) for r, d in rows]
+        if remaining is not None and batch_progress(expected, remaining) < cost:
+            return False  # the batch's end would not move: nothing to gain, nothing to measure
         if verify_pays(expected, cost):
             self.declined[batch] = 0
             return True
