@@ -104,7 +104,7 @@ AMX = {
     "int4": ("int4-bf16", "int4 nibbles " + _TILES),
     "fp8": ("fp8-bf16", "e4m3 weights " + _TILES),
     "fp8_block": ("fp8-bf16", "e4m3 weights " + _TILES),
-    "int8": ("w8a8", INT_NUMERICS["int8"][1] + " (AMX-INT8)"),
+    "int8": ("w8a8", INT_NUMERICS["int8"][1] + " (AMX-INT8; weights more than 16384 deep from 16 rows)"),
 }
 
 
