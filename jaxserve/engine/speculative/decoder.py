@@ -114,17 +114,20 @@ class SpeculativeDecoder:
         for seq in decoding:
             if len(seq.output_ids) < seq.spec.paused_until:
                 continue
-            limit = min(seq.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.total_len - 1)
-            seq.draft_ids = self.proposer.propose(seq.all_ids, limit)
+            seq.draft_ids = self.proposer.propose(seq.all_ids, self._to_go(seq) - 1)
         if self.policy == "always" or not decoding:
             return
-        remaining = None if waiting else [s.params.max_tokens - len(s.output_ids) for s in decoding]
+        remaining = None if waiting else [self._to_go(s) for s in decoding]
         if self.gate.decide([(s.spec.recent, len(s.draft_ids)) for s in decoding], batch, remaining):
             return
         for s in decoding:
             if s.draft_ids and s.spec.shadow is None and not self.proposer.on_device:
                 s.spec.shadow = (s.draft_ids, len(s.output_ids))
             s.draft_ids = []
+
+    def _to_go(self, seq) -> int:
+        """Tokens the request may still generate: its max_tokens and the context bound."""
+        return min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.total_len)
 
     def _score_shadow(self, seq) -> None:
         """Score a row's shadow drafts once the tokens decoded since show how many a verify call

@@ -46,6 +46,7 @@
 #include <functional>
 #include <memory>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -170,7 +171,7 @@ void F32Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const 
 
 void ExactRows(ffi::ThreadPool& pool, const int8_t* x, int64_t M, int64_t K, const int8_t* w, int64_t N, int32_t* y) {
   OnCaller caller(Small(K * N, M));
-  if (UseAmxInt8(M, K))
+  if (UseAmx(kInt8, M))  // exact int32 (modulo 2^32) on either kernel, whatever K
     avx512::amx::RunExact(pool, x, M, K, w, N, y);
   else if (IsaLevel() >= 3)
     avx512::vnni::RunExactVnni(pool, x, M, K, w, N, y);
