@@ -28,3 +28,7 @@ class KvHandoffError(RuntimeError):
         super().__init__(f"request {request_id!r}: KV handoff failed ({cause}){': ' + detail if detail else ''}")
         self.request_id = request_id
         self.cause = cause
+        self.detail = detail
+
+    def __reduce__(self):  # whole across a process boundary
+        return (KvHandoffError, (self.request_id, self.cause, self.detail))

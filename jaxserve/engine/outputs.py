@@ -14,6 +14,17 @@ class RequestFailed(RuntimeError):
         super().__init__(f"request {request_id!r} failed in {stage}: {type(cause).__name__}: {cause}")
         self.request_id, self.stage, self.cause = request_id, stage, cause
 
+    def __reduce__(self):  # across a process boundary the cause travels as its type's name and text
+        cause = self.cause if type(self.cause) in (ValueError, RuntimeError, TypeError) else \
+            RuntimeError(f"{type(self.cause).__name__}: {self.cause}")
+        return (_request_failed, (self.request_id, self.stage, cause, str(self)))
+
+
+def _request_failed(request_id: str, stage: str, cause: BaseException, message: str) -> RequestFailed:
+    error = RequestFailed(request_id, stage, cause)
+    error.args = (message,)  # the message as raised, the cause's own type name included
+    return error
+
 
 @dataclasses.dataclass(frozen=True)
 class Usage:

@@ -129,6 +129,9 @@ class IntegrityError(RuntimeError):
         self.request_id = request_id
         self.cause = cause
 
+    def __reduce__(self):  # whole across a process boundary
+        return (IntegrityError, (self.request_id, self.cause))
+
 
 def integrity_errors(request_ids: Sequence[Hashable], ok: np.ndarray,
                      cause: np.ndarray) -> list[IntegrityError]:

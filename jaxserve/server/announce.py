@@ -26,7 +26,7 @@ def log_listening(server) -> None:
              server.http_target or "off")
     for phase in ("prefill", "decode"):
         log.info("%s matmuls: %s", phase, getattr(info, phase).matmul_path)
-    for phase, rows in server.llm.weight_path_rows().items():
+    for phase, rows in server.model.weight_path_rows().items():
         for row in rows:
             if row.refused:
                 log.warning("%s matmuls: %s (%s) runs on %s, not the %s kernel: %s", phase, row.name, row.format,

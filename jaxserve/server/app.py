@@ -21,7 +21,7 @@ from jaxserve.disagg.service import KvHandoffService
 from jaxserve.server import address, announce, convert
 from jaxserve.server.auth import ApiKeys, PeerCredentials
 from jaxserve.server.core import ServingCore
-from jaxserve.server.engine_loop import EngineLoop
+from jaxserve.server.served_model import served
 from jaxserve.server.guard import RequestGuard
 from jaxserve.server.http_server import HttpServer, HttpTls
 from jaxserve.server.limits import ServeLimits
@@ -38,7 +38,9 @@ HANDOFF_SERVICE_NAME = hpb.DESCRIPTOR.services_by_name["KvHandoff"].full_name
 
 
 class Server:
-    """Serve `llm` (a jaxserve.LLM) on host:port.
+    """Serve `llm` on host:port: a jaxserve.LLM (its engine on a thread of this process) or any
+    ``served_model.ServedModel`` (``engine_process.EngineProcess``: the engine in a process of
+    its own).
 
     port 0 picks a free port (read ``.port`` after ``start``); metrics_port None turns the
     metrics endpoint off, 0 picks a free port; it binds metrics_host (loopback by default,
@@ -73,7 +75,7 @@ class Server:
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         convert.check_id_options(max_id_length, replica_id)
-        self.llm = llm
+        self.model = served(llm)
         self.host, self.port, self.metrics_port, self.metrics_host = host, port, metrics_port, metrics_host
         self.credentials, self.keys, self.max_id_length = credentials, keys or ApiKeys(), max_id_length
         self.limits = limits or ServeLimits()
@@ -83,12 +85,15 @@ class Server:
         self.metrics = ServerMetrics()
         self.group = group
         peers = [group.digests[p] for p in sorted(group.digests)] if group is not None else ()
-        self.info = convert.model_info(llm, max_waiting, replica_id or "", peers)
+        self.info = self.model.model_info(max_waiting, replica_id or "", peers)
         self._replica_id = replica_id
         # A prefill or decode worker also serves KvHandoff (the KV handoff between them).
         self.handoff_options = dict(transport=kv_transport, ttl_s=handoff_ttl_s, pull_timeout_s=pull_timeout_s,
                                     bind_host=host, peer=peer)
         self.advertise_host = advertise_host
+        if WorkerRole(self.info.role).hands_off and self.model.engine is None:
+            raise ValueError(f"a {self.info.role} worker hands KV off through its engine: it cannot run in a process "
+                             "of its own")
         if WorkerRole(self.info.role).hands_off or advertise_host is not None:  # ValueError before anything binds
             self.advertise_host = address.advertised_host(host, advertise_host)
         self.handoff = self._handoff_watch = None
@@ -101,14 +106,15 @@ class Server:
         """Bind and start answering (health NOT_SERVING); warm-up runs on the engine thread
         and turns health SERVING when every serving program is compiled."""
         loop = asyncio.get_running_loop()
-        self.engine_loop = EngineLoop(self.llm.engine, self.metrics, loop, lambda: self.readiness.warm(),
-                                      lambda error: self.readiness.failed(error),
-                                      explain_error=self._explain_step_error if self.group is not None else None,
-                                      on_progress=lambda done, total: self.readiness.progressed(done, total),
-                                      serve_while_warming=self.serve_while_warming)
-        self.core = ServingCore(self.llm, self.engine_loop, self.metrics, self.info, self.max_waiting, keys=self.keys,
+        self.engine_loop = self.model.engine_loop(
+            self.metrics, loop, lambda: self.readiness.warm(), lambda error: self.readiness.failed(error),
+            lambda reason: self.readiness.lose_replica(reason),
+            explain_error=self._explain_step_error if self.group is not None else None,
+            on_progress=lambda done, total: self.readiness.progressed(done, total),
+            serve_while_warming=self.serve_while_warming)
+        self.core = ServingCore(self.model, self.engine_loop, self.metrics, self.info, self.max_waiting, keys=self.keys,
                                 max_id_length=self.max_id_length, limits=self.limits)
-        self.readiness = Readiness(self.core, self.metrics, self.llm.engine.programs, self.target)
+        self.readiness = Readiness(self.core, self.metrics, self.model.programs, self.target)
         await self.readiness.set(NOT_SERVING)
         self.service = JaxServeService(self.core, **self.agent_parsers)
         self._watchdog = asyncio.ensure_future(self.core.watch_unread())
@@ -126,7 +132,7 @@ class Server:
         else:
             self.port = self._grpc.add_secure_port(address, self.credentials)
         if WorkerRole(self.info.role).hands_off:
-            self.handoff = KvHandoffService(self.service, self.llm.engine, self.metrics, self.advertised,
+            self.handoff = KvHandoffService(self.service, self.model.engine, self.metrics, self.advertised,
                                             **self.handoff_options)
             hpb_grpc.add_KvHandoffServicer_to_server(self.handoff, self._grpc)
             self._handoff_watch = asyncio.ensure_future(self.handoff.watch_offers())
@@ -136,7 +142,7 @@ class Server:
         self.info.replica_id = self._replica_id or f"{socket.gethostname()}:{self.port}"
         self.readiness.target = self.target
         self.metrics.info.info(announce.info_labels(self.info))
-        self.metrics.set_matmul_paths(self.llm.weight_path_rows())
+        self.metrics.set_matmul_paths(self.model.weight_path_rows())
         await self._grpc.start()
         if self.http_port is not None:
             from jaxserve.server.openai_http import OpenAIFrontEnd  # FastAPI only when asked for

@@ -66,7 +66,6 @@ def run_serve(args) -> int:
 
 def _run(args) -> tuple[int, bool]:
     from jaxserve.checkpoint.gguf import remove_stale_conversions
-    from jaxserve.cli_args import engine_kwargs, ensure_cpu_devices, with_default_config
     from jaxserve.server import auth, convert
 
     # Everything an operator can get wrong is checked before the (slow) model load.
@@ -84,30 +83,39 @@ def _run(args) -> tuple[int, bool]:
     from jaxserve.server import group as replica_group
 
     group = replica_group.group_from_args(args)
-    log.info("loading %s", args.model or "the default model")
-    ensure_cpu_devices(replica_group.local_device_count(group, args.num_devices))
-    t0 = time.perf_counter()
-    from jaxserve.cli_args import enable_compile_cache, with_program_cache
-    from jaxserve.llm import LLM
-    from jaxserve.startup_profile import StartupProfile
+    if args.engine_process:
+        return _run_engine_process(args, group, keys, credentials)
+    if args.engine_cpus is not None:
+        raise ValueError("--engine-cpus places the engine's own process: it needs --engine-process")
+    from jaxserve.server.model_load import load_llm
 
-    profile = StartupProfile(args.started)
-    profile.add("imports (jax, jaxserve)", time.perf_counter() - t0)
-    if group is None:
-        kwargs = with_program_cache(with_default_config(args, engine_kwargs(args)))
-    else:  # a multi-process replica keeps the jit path (no program cache): jax's own cache instead
-        enable_compile_cache()
-        kwargs = {**with_default_config(args, engine_kwargs(args)), "program_cache": "off"}
-    num_devices = replica_group.join(group, args.num_devices) if group is not None else args.num_devices or 1
-    kv_format = args.kv_format or {"prefill": "bf16", "decode": "fp8_e4m3"}.get(args.role)
-    llm = LLM(args.model, dtype=args.dtype, kv_format=kv_format, num_devices=num_devices,
-              keep_finished=0,  # each request's last output carries its completion
-              role=args.role, kv_handoff_format=args.kv_handoff_format, profile=profile, **kwargs)
+    llm = load_llm(args, group)
     if group is not None and not group.is_leader:
         code = replica_group.follow(group, llm)
         return code, code == 0
     leader = replica_group.lead(group, llm) if group is not None else None
     return asyncio.run(_serve(args, llm, keys, credentials, leader))
+
+
+def _run_engine_process(args, group, keys, credentials) -> tuple[int, bool]:
+    """``--engine-process``: the model loads and the engine runs in a process of its own."""
+    import functools
+
+    from jaxserve.server.engine_process import EngineProcess, parse_cpus
+    from jaxserve.server.model_load import load_llm
+
+    if group is not None or WorkerRole(args.role).hands_off:
+        raise ValueError("--engine-process serves one process's engine: not with --role prefill/decode "
+                         "(KV handoff reaches the engine itself) or a multi-process replica")
+    cpus = parse_cpus(args.engine_cpus) if args.engine_cpus is not None else None
+    spec = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
+    model = EngineProcess(functools.partial(load_llm, spec), max_waiting=args.max_waiting,
+                          serve_while_warming=args.serve_while_warming, log_level=args.log_level, cpus=cpus)
+    try:
+        code, _ = asyncio.run(_serve(args, model, keys, credentials))
+    finally:
+        model.close()
+    return code, True
 
 
 def _warn_if_exposed(host: str, keys, credentials) -> None:
@@ -187,7 +195,7 @@ def _print_listening(args, server, keys, credentials) -> None:
 
 def _print_serving(args, server, llm) -> None:
     i = server.info
-    if args.profile_startup:
+    if args.profile_startup and hasattr(llm, "profile"):
         llm.profile.add("warm-up: build the serving programs", server.warmup_seconds)
         log.info("%s", llm.profile.report(llm.engine.programs))
     held = i.decode if WorkerRole(i.role).decodes else i.prefill  # the phase whose weights this worker holds

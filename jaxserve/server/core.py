@@ -30,13 +30,14 @@ LARGE_TEXT_WORKERS = 2
 class ServingCore:
     """One engine's serving state, shared by every front end of a ``Server``.
 
-    llm: the ``LLM`` (its ``tokenizer`` and ``engine``); info: the static ``ModelInfo``; keys:
+    model: the ``served_model.ServedModel`` (its tokenizer, config and grammar checks);
+    engine_loop: the engine as the event loop sees it (``engine_loop``); info: the static ``ModelInfo``; keys:
     the API keys (none = no authentication); limits: ``ServeLimits`` (None = the defaults),
     resolved against the model's context."""
 
-    def __init__(self, llm, engine_loop: EngineLoop, metrics, info, max_waiting: int, keys: ApiKeys | None = None,
+    def __init__(self, model, engine_loop: EngineLoop, metrics, info, max_waiting: int, keys: ApiKeys | None = None,
                  max_id_length: int = convert.MAX_ID_LENGTH, limits: ServeLimits | None = None):
-        self.llm, self.engine_loop, self.metrics, self.info = llm, engine_loop, metrics, info
+        self.model, self.engine_loop, self.metrics, self.info = model, engine_loop, metrics, info
         self.max_waiting, self.max_id_length = max_waiting, max_id_length
         self.keys = keys or ApiKeys()
         self.limits = (limits or ServeLimits()).resolved(info.max_context)
@@ -50,7 +51,7 @@ class ServingCore:
     # ------------------------------------------------------------------ state
     @property
     def tokenizer(self):
-        return self.llm.tokenizer
+        return self.model.tokenizer
 
     @property
     def phase(self) -> str:
@@ -100,7 +101,7 @@ class ServingCore:
 
     async def check_structured(self, spec) -> None:
         """ValueError naming the problem when the grammar ``spec`` cannot compile (off the loop)."""
-        await asyncio.to_thread(self.llm.engine.check_structured, spec)
+        await asyncio.to_thread(self.model.check_structured, spec)
 
     # ------------------------------------------------------------------ generations
     def submit(self, prompt_ids: list[int], params: list, request_id: str, session_id: str, owner: str,

@@ -50,6 +50,10 @@ class ServeError(Exception):
         self.retry_after_s = retry_after_s
         self.extra_trailers = tuple(trailers)
 
+    def __reduce__(self):  # whole across a process boundary (the engine in a process of its own)
+        return (type(self), (self.code, self.message, self.retry_after_s, self.extra_trailers, self.param,
+                             self.http_status, self.client_fault))
+
     @property
     def outcome(self) -> str:
         return self.code.name.lower()

@@ -43,7 +43,7 @@ class OpenAIFrontEnd:
     def __init__(self, core: ServingCore, model_name: str, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None):
         self.core, self.gens = core, core.generations
-        cfg = core.llm.cfg
+        cfg = core.model.cfg
         self.agents = agent_plan.AgentFront(core.tokenizer, cfg.architecture, cfg.model_type, tool_call_parser,
                                         reasoning_parser)
         self.model_name = model_name

@@ -52,6 +52,13 @@ def add_serve_args(p) -> None:
     p.add_argument("--serve-while-warming", action="store_true",
                    help="report SERVING once the programs that let any batch run are built (largest buckets "
                         "first) and build the rest while serving; batches pad to built buckets meanwhile")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the engine in a process of its own, the gRPC / HTTP front end in this one, so "
+                        "that the front end's work (stream set-ups, refusals, parsing) never holds the "
+                        "engine's interpreter; not with --role prefill/decode or a multi-process replica")
+    p.add_argument("--engine-cpus", default=None, metavar="LIST",
+                   help="with --engine-process: the CPUs the engine's process runs on (e.g. 0-3,8), the front "
+                        "end then on the others (default: both on every CPU this process may use)")
     p.add_argument("--profile-startup", action="store_true",
                    help="log where the start's time went: imports, weights, engine set-up and, per serving "
                         "program and bucket, cache load / trace / lower / compile")

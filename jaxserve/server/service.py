@@ -42,7 +42,7 @@ class JaxServeService(pb_grpc.JaxServeServicer):
     def __init__(self, core: ServingCore, tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         self.core = core
         self.info = core.info
-        cfg = core.llm.cfg
+        cfg = core.model.cfg
         self.agents = AgentFront(core.tokenizer, cfg.architecture, cfg.model_type, tool_call_parser, reasoning_parser)
 
     @property
