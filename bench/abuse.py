@@ -5,6 +5,7 @@
     python bench/abuse.py --model default                  # the embedded SmolLM2-135M (slower)
     python bench/abuse.py --serve-arg=--client-scheduling=fifo
     python bench/abuse.py --pin --abuse churn              # the abusers on a CPU of their own
+    python bench/abuse.py --engine-apart --serve-arg=--max-slots-per-client=2   # the engine on a CPU of its own
 
 Starts `jaxserve serve` (gRPC and the OpenAI HTTP API) with two API keys: one for the
 well-behaved client, one shared by every abuser (so, with keys, they are two clients for fair
@@ -77,6 +78,10 @@ def parse_args(argv=None):
                    help="the server on every CPU but the last, this bench (the well-behaved client and every "
                         "abuser) on the last: the abusers' own CPU kept apart from the server's, as when they "
                         "run on other machines")
+    p.add_argument("--engine-apart", action="store_true",
+                   help="the server with its engine in a process of its own on the first CPU (--engine-process "
+                        "--engine-cpus), its front end on the others with this bench on the last: the engine's "
+                        "core kept apart from the front end's and the abusers' (excludes --pin)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "abuse.json"))
     return p.parse_args(argv)
@@ -91,9 +96,13 @@ def start_server(args, model: str | None):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env |= {"PYTHONDONTWRITEBYTECODE": "1", "JAXSERVE_API_KEY": f"{GOOD_KEY},{ABUSE_KEY}"}
     cpus = sorted(os.sched_getaffinity(0))
-    if args.pin and len(cpus) < 2:
-        raise SystemExit("--pin needs two CPUs at least")
-    server_cpus, bench_cpus = (cpus[:-1], cpus[-1:]) if args.pin else (cpus, cpus)
+    if (args.pin or args.engine_apart) and len(cpus) < 2:
+        raise SystemExit("--pin / --engine-apart need two CPUs at least")
+    if args.pin and args.engine_apart:
+        raise SystemExit("--pin and --engine-apart place the server differently: choose one")
+    server_cpus, bench_cpus = (cpus[:-1], cpus[-1:]) if args.pin else (cpus, cpus[-1:]) if args.engine_apart else (cpus, cpus)
+    if args.engine_apart:
+        cmd += ["--engine-process", f"--engine-cpus={cpus[0]}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=args.server_root, env=env,
                             preexec_fn=lambda: os.sched_setaffinity(0, server_cpus))
@@ -416,7 +425,7 @@ def main(argv=None) -> int:
                             settle_s=p.settle_s, cores_used=p.cores, abuser_outcomes=dict(sorted(p.outcomes.items())),
                             latency_ms=[round(x * 1e3, 1) for x in p.latency])
     report = dict(server_root=args.server_root, model=args.model or "tiny (random 2-layer Llama, SmolLM2 tokenizer)",
-                  serve_args=args.serve_arg, phase_s=args.phase_s, pinned=args.pin, cpus_of=args.cpus_of, server_start_s=round(start_s, 1),
+                  serve_args=args.serve_arg, phase_s=args.phase_s, pinned=args.pin, engine_apart=args.engine_apart, cpus_of=args.cpus_of, server_start_s=round(start_s, 1),
                   server_alive_at_end=alive, load_avg=os.getloadavg(), cpus=os.cpu_count(),
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), phases=rows,
                   server_log_tail=list(getattr(proc, "log_tail", []))[-20:])

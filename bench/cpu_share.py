@@ -13,6 +13,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (e.g. a server's engine process, ``--engine-process``)."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            kids += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return kids
+
+
 def machine_busy_seconds() -> float:
     """CPU seconds the whole machine spent busy so far (every core; /proc/stat)."""
     vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
@@ -20,19 +31,24 @@ def machine_busy_seconds() -> float:
 
 
 class CpuShare:
-    """Cores used while a phase measures: by the server, by this bench (its good client and its
-    abusers, which on this machine share the server's cores), and by everything else."""
+    """Cores used while a phase measures: by the server (its child processes apart: an engine in
+    a process of its own), by this bench (its good client and its abusers, which on this machine
+    share the server's cores), and by everything else."""
 
     def __init__(self, server_pid: int):
         self.pid = server_pid
+        self.kids = children(server_pid)
         self.start = self.sample()
 
     def sample(self):
-        return time.monotonic(), cpu_seconds(self.pid), cpu_seconds(os.getpid()), machine_busy_seconds()
+        kids = sum(cpu_seconds(k) for k in self.kids if Path(f"/proc/{k}").exists())
+        return time.monotonic(), cpu_seconds(self.pid), kids, cpu_seconds(os.getpid()), machine_busy_seconds()
 
     def cores(self) -> dict:
-        (t0, s0, b0, m0), (t1, s1, b1, m1) = self.start, self.sample()
+        (t0, s0, k0, b0, m0), (t1, s1, k1, b1, m1) = self.start, self.sample()
         dt = t1 - t0
-        server, bench, machine = (s1 - s0) / dt, (b1 - b0) / dt, (m1 - m0) / dt
-        return {"server": round(server, 2), "bench_clients": round(bench, 2),
-                "other": round(max(0.0, machine - server - bench), 2)}
+        server, kids, bench, machine = (s1 - s0) / dt, (k1 - k0) / dt, (b1 - b0) / dt, (m1 - m0) / dt
+        out = {"server": round(server, 2)}
+        if self.kids:
+            out["server_children"] = round(kids, 2)
+        return out | {"bench_clients": round(bench, 2), "other": round(max(0.0, machine - server - kids - bench), 2)}
