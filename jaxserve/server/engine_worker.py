@@ -13,6 +13,7 @@ when the front end is gone), so a terminal's Ctrl-C drains the server as one.
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import logging
 import os
 import queue
@@ -103,6 +104,11 @@ class EngineWorker:
         self.send(msg.Events(batch, self.thread.kv_pages, self.thread.recent_duration_s, records, snap))
 
     def _ready(self) -> None:  # engine thread: the state after warm-up first, then Ready
+        # What lives now (the model, its programs, JAX's caches) lives as long as this process:
+        # out of the cyclic collector's walk, as ``readiness.freeze_long_lived`` does for an
+        # engine in the server's own process (a full collection's pause would stall the steps).
+        gc.collect()
+        gc.freeze()
         self._events([])
         self.send(msg.Ready())
 

@@ -7,6 +7,12 @@ def pid(engine) -> int:
     return os.getpid()
 
 
+def frozen(engine) -> int:
+    import gc
+
+    return gc.get_freeze_count()
+
+
 def fail_next_step(engine) -> None:
     engine.fail_next_step(RuntimeError("injected step failure"))
 

@@ -50,6 +50,8 @@ def proc_served():
 def test_the_engine_runs_in_another_process(proc_served):
     pid = proc_served.server.engine_loop.call(engine_calls.pid).result(10)
     assert pid == proc_served.boot["model"].pid != os.getpid()
+    # What lived at SERVING there is out of its collector's walk, as in one process.
+    assert proc_served.server.engine_loop.call(engine_calls.frozen).result(10) > 0
 
 
 @pytest.mark.parametrize("name", list(mock_cases()))
