@@ -5,7 +5,7 @@ Two kinds behind one interface (start, submit, abort, call, stop, join, alive, w
 kv_pages, recent_duration_s):
 - ``EngineLoop``: the engine on a thread of this process (``engine_thread.EngineThread``); per
   iteration, one ``loop.call_soon_threadsafe`` hands its batch of events to the loop;
-- ``engine_process.ProcessEngineLoop``: the engine in a process of its own, over a pipe.
+- ``process_engine_loop.ProcessEngineLoop``: the engine in a process of its own, over a socket.
 Both keep their streams in a ``StreamTable`` (engine id -> stream, and how many wait).
 
 Engine request ids are internal and unique (``<client id>#<n>``), so a client may reuse its

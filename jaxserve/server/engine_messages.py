@@ -10,7 +10,7 @@ the metrics it wrote) and ``Result`` (of an Abort, Call or CheckStructured, by t
 
 Errors cross as themselves where their type pickles whole (the server's own error types
 do); any other is carried as the nearest builtin of its kind with its type's name in the text
-(``portable``), so an unpicklable exception can never break the pipe.
+(``portable``), so an unpicklable exception can never break the connection.
 """
 from __future__ import annotations
 

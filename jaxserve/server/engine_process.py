@@ -118,7 +118,7 @@ class EngineProcess(ServedModel):
 
         return ProcessEngineLoop(self, metrics, loop, on_ready, on_failed, on_lost, on_progress)
 
-    # ------------------------------------------------------------------ the pipe
+    # ------------------------------------------------------------------ the socket
     def send(self, message) -> None:
         """Raises OSError when the engine's process is gone."""
         data = msg.frame(message)

@@ -8,7 +8,7 @@ being the dataclasses of ``jaxserve.server.events``: ``Started`` (once, at admis
 handoff's exported pages) and ``Failed`` (rejected by add_request, or step() failed).
 
 Who listens decides where the events go: ``EngineLoop`` hands them to an asyncio loop in this
-process; ``engine_worker`` sends them over a pipe to the front end's process.
+process; ``engine_worker`` sends them over a socket to the front end's process.
 
 Invariant: every added request receives exactly one terminal event (``Ended`` or ``Failed``),
 even when nobody listens for it any more; the queue-depth accounting relies on it.

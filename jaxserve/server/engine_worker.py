@@ -7,7 +7,7 @@ thread of their own, as they may compile). The engine thread queues each iterati
 with the state the front end shows (KV pages, the recent request duration, the metrics it
 wrote), for a sender thread, which writes whatever has queued in one call: the engine never
 waits on the front end, however busy that is.
-It ignores SIGINT / SIGTERM (the front end decides when it stops: a ``Stop``, else the pipe's end
+It ignores SIGINT / SIGTERM (the front end decides when it stops: a ``Stop``, else the socket's end
 when the front end is gone), so a terminal's Ctrl-C drains the server as one.
 """
 from __future__ import annotations

@@ -29,7 +29,7 @@ class ProcessEngineLoop:
         self.kv_pages = (0, 0, 0)
         self.recent_duration_s = 1.0
         self._ready = self._stopping = False
-        self._reader = threading.Thread(target=self._read, name="jaxserve-engine-pipe", daemon=True)
+        self._reader = threading.Thread(target=self._read, name="jaxserve-engine-socket", daemon=True)
 
     def start(self) -> None:
         self._reader.start()
