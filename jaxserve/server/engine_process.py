@@ -41,13 +41,15 @@ class ProgramCounts:
 
 class EngineProcess(ServedModel):
     def __init__(self, build: Callable, max_waiting: int = 256, serve_while_warming: bool = False,
-                 log_level: str = "WARNING", load_timeout_s: float | None = None, cpus: set[int] | None = None):
+                 log_level: str = "WARNING", load_timeout_s: float | None = None, cpus: set[int] | None = None,
+                 profile_startup: bool = False):
         """Start the engine's process and wait until it has loaded the model. build(): the LLM
         (or MockLLM), called in that process: a function importable by name, with picklable
         arguments (``functools.partial``). cpus: the CPUs the engine's process runs on (set
         before it loads anything, so JAX and the native kernels size their threads to them),
         this process then on the others this process may use (``parse_cpus``); None: both on
-        all. Raises what the load raised there."""
+        all. profile_startup: that process logs where its start's time went once warm. Raises
+        what the load raised there."""
         front_cpus = None
         if cpus is not None:
             allowed = os.sched_getaffinity(0)
@@ -58,7 +60,8 @@ class EngineProcess(ServedModel):
         self.sock, child = socket.socketpair()
         self.frames = msg.FrameReader()
         self.process = ctx.Process(target=engine_worker.main, name="jaxserve-engine", daemon=True,
-                                   args=(child, build, max_waiting, serve_while_warming, log_level, cpus))
+                                   args=(child, build, max_waiting, serve_while_warming, log_level, cpus,
+                                         profile_startup))
         self.process.start()
         child.close()
         if front_cpus is not None:

@@ -21,6 +21,7 @@ import select
 import signal
 import socket
 import threading
+import time
 from typing import Callable
 
 from jaxserve.server import engine_messages as msg
@@ -61,8 +62,11 @@ class MetricsRecorder:
 
 
 class EngineWorker:
-    def __init__(self, sock, engine, serve_while_warming: bool, check_structured: Callable):
+    def __init__(self, sock, engine, serve_while_warming: bool, check_structured: Callable,
+                 startup_report: Callable[[float], str] | None = None):
+        """startup_report(warm-up seconds): the start-up profile logged once warm (--profile-startup)."""
         self.sock = sock
+        self._report, self._started = startup_report, time.perf_counter()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_queued, name="jaxserve-engine-send", daemon=True)
         self._check = check_structured
@@ -109,6 +113,8 @@ class EngineWorker:
         # engine in the server's own process (a full collection's pause would stall the steps).
         gc.collect()
         gc.freeze()
+        if self._report is not None:
+            log.info("%s", self._report(time.perf_counter() - self._started))
         self._events([])
         self.send(msg.Ready())
 
@@ -146,6 +152,7 @@ class EngineWorker:
             if not started:
                 if not isinstance(command, msg.Start):
                     break
+                self._started = time.perf_counter()
                 self.thread.start()
                 started = True
                 continue
@@ -187,9 +194,10 @@ def _end_with_the_front_end(sock, loading: threading.Event) -> None:
 
 
 def main(sock, build: Callable, max_waiting: int, serve_while_warming: bool, log_level: str = "WARNING",
-         cpus: set[int] | None = None) -> None:
+         cpus: set[int] | None = None, profile_startup: bool = False) -> None:
     """The process's entry: on ``cpus`` (None: as started), ``build()`` -> the LLM (or
-    MockLLM); ``Loaded`` (or ``LoadFailed``), then ``EngineWorker.run``."""
+    MockLLM); ``Loaded`` (or ``LoadFailed``), then ``EngineWorker.run``. profile_startup: log
+    where the start's time went here (the load and the warm-up), once warm."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     loading = threading.Event()
@@ -212,5 +220,10 @@ def main(sock, build: Callable, max_waiting: int, serve_while_warming: bool, log
         sock.sendall(msg.frame(msg.LoadFailed(msg.portable(e))))
         return
     sock.sendall(msg.frame(loaded))
-    EngineWorker(sock, llm.engine, serve_while_warming, model.check_structured).run()
+    report = None
+    if profile_startup and getattr(llm, "profile", None) is not None:
+        def report(warmup_s: float) -> str:
+            llm.profile.add("warm-up: build the serving programs", warmup_s)
+            return llm.profile.report(llm.engine.programs)
+    EngineWorker(sock, llm.engine, serve_while_warming, model.check_structured, report).run()
     sock.close()

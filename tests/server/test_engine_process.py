@@ -216,8 +216,8 @@ def test_serve_refuses_what_the_engine_process_cannot_serve(tiny_text_model, fla
 def test_serve_with_the_engine_process_gives_the_python_api_tokens_then_drains(tiny_text_model, cases):
     from jaxserve.client import Client
 
-    proc = subprocess.Popen(serve_args(tiny_text_model, "--engine-process"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=server_env())
+    proc = subprocess.Popen(serve_args(tiny_text_model, "--engine-process", "--profile-startup", "--log-level", "info"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=server_env())
     lines = []
     try:
         for line in proc.stdout:
@@ -229,6 +229,7 @@ def test_serve_with_the_engine_process_gives_the_python_api_tokens_then_drains(t
             pytest.fail("".join(lines))
         engines = _children(proc.pid)
         assert engines, "no engine process"
+        assert any("[engine]: start-up profile" in x for x in lines), "".join(lines)  # logged there, once warm
         with Client(target, timeout=60) as client:
             for name in ("ids_greedy", "text_greedy", "sampled"):
                 prompt, kw, want = cases[name]
