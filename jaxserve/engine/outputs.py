@@ -15,8 +15,7 @@ class RequestFailed(RuntimeError):
         self.request_id, self.stage, self.cause = request_id, stage, cause
 
     def __reduce__(self):  # across a process boundary the cause travels as its type's name and text
-        cause = self.cause if type(self.cause) in (ValueError, RuntimeError, TypeError) else \
-            RuntimeError(f"{type(self.cause).__name__}: {self.cause}")
+        cause = RuntimeError(f"{type(self.cause).__name__}: {self.cause}")
         return (_request_failed, (self.request_id, self.stage, cause, str(self)))
 
 

@@ -109,8 +109,7 @@ def _run_engine_process(args, group, keys, credentials) -> tuple[int, bool]:
                          "(KV handoff reaches the engine itself) or a multi-process replica")
     cpus = parse_cpus(args.engine_cpus) if args.engine_cpus is not None else None
     spec = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
-    model = EngineProcess(functools.partial(load_llm, spec), max_waiting=args.max_waiting,
-                          serve_while_warming=args.serve_while_warming, log_level=args.log_level, cpus=cpus,
+    model = EngineProcess(functools.partial(load_llm, spec), log_level=args.log_level, cpus=cpus,
                           profile_startup=args.profile_startup)
     try:
         code, _ = asyncio.run(_serve(args, model, keys, credentials))

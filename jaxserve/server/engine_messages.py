@@ -27,7 +27,7 @@ RELAYED_METRICS = ("ttft", "itl", "e2e", "prompt_tokens", "cached_tokens", "comp
 # ---------------------------------------------------------------------- front end -> engine
 @dataclasses.dataclass(frozen=True)
 class Start:
-    pass
+    serve_while_warming: bool = False  # the server's setting (``EngineThread``)
 
 
 @dataclasses.dataclass(frozen=True)

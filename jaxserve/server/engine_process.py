@@ -40,9 +40,8 @@ class ProgramCounts:
 
 
 class EngineProcess(ServedModel):
-    def __init__(self, build: Callable, max_waiting: int = 256, serve_while_warming: bool = False,
-                 log_level: str = "WARNING", load_timeout_s: float | None = None, cpus: set[int] | None = None,
-                 profile_startup: bool = False):
+    def __init__(self, build: Callable, log_level: str = "WARNING", load_timeout_s: float | None = None,
+                 cpus: set[int] | None = None, profile_startup: bool = False):
         """Start the engine's process and wait until it has loaded the model. build(): the LLM
         (or MockLLM), called in that process: a function importable by name, with picklable
         arguments (``functools.partial``). cpus: the CPUs the engine's process runs on (set
@@ -60,14 +59,14 @@ class EngineProcess(ServedModel):
         self.sock, child = socket.socketpair()
         self.frames = msg.FrameReader()
         self.process = ctx.Process(target=engine_worker.main, name="jaxserve-engine", daemon=True,
-                                   args=(child, build, max_waiting, serve_while_warming, log_level, cpus,
-                                         profile_startup))
+                                   args=(child, build, log_level, cpus, profile_startup))
         self.process.start()
         child.close()
         if front_cpus is not None:
             _move_threads(front_cpus)
         self.programs = ProgramCounts()
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # one frame at a time on the socket
+        self._pending_lock = threading.Lock()  # _pending, _tokens, _ended
         self._pending: dict[int, concurrent.futures.Future] = {}
         self._tokens = itertools.count()
         self._ended = False
@@ -119,7 +118,7 @@ class EngineProcess(ServedModel):
                     serve_while_warming: bool = False):
         from jaxserve.server.process_engine_loop import ProcessEngineLoop
 
-        return ProcessEngineLoop(self, metrics, loop, on_ready, on_failed, on_lost, on_progress)
+        return ProcessEngineLoop(self, metrics, loop, on_ready, on_failed, on_lost, on_progress, serve_while_warming)
 
     # ------------------------------------------------------------------ the socket
     def send(self, message) -> None:
@@ -132,7 +131,7 @@ class EngineProcess(ServedModel):
         """Send make(token); the future gets the ``Result`` of that token (or an error when the
         engine's process is gone first)."""
         fut = concurrent.futures.Future()
-        with self._send_lock:
+        with self._pending_lock:
             token = next(self._tokens)
             if self._ended:
                 fut.set_exception(RuntimeError("the engine's process has ended"))
@@ -145,7 +144,7 @@ class EngineProcess(ServedModel):
         return fut
 
     def resolve(self, result: msg.Result) -> None:
-        with self._send_lock:
+        with self._pending_lock:
             fut = self._pending.pop(result.token, None)
         if fut is None:
             return
@@ -155,7 +154,7 @@ class EngineProcess(ServedModel):
             fut.set_result(result.value)
 
     def fail_pending(self, reason: str) -> None:
-        with self._send_lock:
+        with self._pending_lock:
             self._ended = True
             pending, self._pending = list(self._pending.values()), {}
         for fut in pending:

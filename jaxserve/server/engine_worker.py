@@ -13,6 +13,7 @@ when the front end is gone), so a terminal's Ctrl-C drains the server as one.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import gc
 import logging
 import os
@@ -62,21 +63,26 @@ class MetricsRecorder:
 
 
 class EngineWorker:
-    def __init__(self, sock, engine, serve_while_warming: bool, check_structured: Callable,
-                 startup_report: Callable[[float], str] | None = None):
+    def __init__(self, sock, engine, check_structured: Callable, startup_report: Callable[[float], str] | None = None):
         """startup_report(warm-up seconds): the start-up profile logged once warm (--profile-startup)."""
-        self.sock = sock
+        self.sock, self.engine = sock, engine
         self._report, self._started = startup_report, time.perf_counter()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_queued, name="jaxserve-engine-send", daemon=True)
         self._check = check_structured
         self._checks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-grammar")
         self.recorder = MetricsRecorder()
-        self.thread = EngineThread(engine, self.recorder, self._events, self._ready,
+        self.thread: EngineThread | None = None  # built at Start
+
+    def _start(self, start: msg.Start) -> None:
+        programs = self.engine.programs
+        self._started = time.perf_counter()
+        self.thread = EngineThread(self.engine, self.recorder, self._events, self._ready,
                                    lambda e: self.send(msg.WarmupFailed(msg.portable(e))),
                                    on_progress=lambda done, total: self.send(msg.Progress(
-                                       done, total, engine.programs.compiled, engine.programs.loaded)),
-                                   serve_while_warming=serve_while_warming)
+                                       done, total, programs.compiled, programs.loaded)),
+                                   serve_while_warming=start.serve_while_warming)
+        self.thread.start()
 
     def send(self, message) -> None:
         """Queue ``message`` for the sender thread (any thread; never blocks)."""
@@ -131,32 +137,28 @@ class EngineWorker:
         else:
             self.send(msg.Result(token))
 
+    def _incoming(self):
+        """The commands from the front end, in order, until the socket's end."""
+        reader = msg.FrameReader()
+        while True:
+            try:
+                got = msg.read_messages(self.sock, reader)
+            except OSError:
+                return
+            if got is None:
+                return
+            yield from got
+
     def run(self) -> None:
         """Wait for Start, then serve commands until Stop or the socket's end; then wait for
         the engine thread and send what it left."""
         self._sender.start()
-        reader, commands, started = msg.FrameReader(), [], False
-        while True:
-            if not commands:
-                try:
-                    commands = msg.read_messages(self.sock, reader)
-                except OSError:
-                    commands = None
-                if commands is None:
-                    if started:
-                        log.warning("the front end's process is gone; the engine stops")
-                        self.thread.stop()
-                    break
-                continue
-            command = commands.pop(0)
-            if not started:
+        for command in self._incoming():
+            if self.thread is None:
                 if not isinstance(command, msg.Start):
                     break
-                self._started = time.perf_counter()
-                self.thread.start()
-                started = True
-                continue
-            if isinstance(command, msg.Add):
+                self._start(command)
+            elif isinstance(command, msg.Add):
                 self.thread.add(command.engine_id, command.prompt_ids, command.params, command.arrival,
                                 command.client, **command.handoff)
             elif isinstance(command, msg.Abort):
@@ -168,7 +170,11 @@ class EngineWorker:
             elif isinstance(command, msg.Stop):
                 self.thread.stop()
                 break
-        if started:
+        else:
+            if self.thread is not None:
+                log.warning("the front end's process is gone; the engine stops")
+                self.thread.stop()
+        if self.thread is not None:
             self.thread.join()
         self._checks.shutdown(wait=False)
         self.flush()
@@ -176,11 +182,7 @@ class EngineWorker:
 
 def _portable_event(ev):
     error = getattr(ev, "error", None)
-    if error is None:
-        return ev
-    import dataclasses
-
-    return dataclasses.replace(ev, error=msg.portable(error))
+    return ev if error is None else dataclasses.replace(ev, error=msg.portable(error))
 
 
 def _end_with_the_front_end(sock, loading: threading.Event) -> None:
@@ -193,8 +195,8 @@ def _end_with_the_front_end(sock, loading: threading.Event) -> None:
             return  # a command waits: the command loop reads it
 
 
-def main(sock, build: Callable, max_waiting: int, serve_while_warming: bool, log_level: str = "WARNING",
-         cpus: set[int] | None = None, profile_startup: bool = False) -> None:
+def main(sock, build: Callable, log_level: str = "WARNING", cpus: set[int] | None = None,
+         profile_startup: bool = False) -> None:
     """The process's entry: on ``cpus`` (None: as started), ``build()`` -> the LLM (or
     MockLLM); ``Loaded`` (or ``LoadFailed``), then ``EngineWorker.run``. profile_startup: log
     where the start's time went here (the load and the warm-up), once warm."""
@@ -212,7 +214,7 @@ def main(sock, build: Callable, max_waiting: int, serve_while_warming: bool, log
         from jaxserve.server.served_model import LocalModel
 
         model = LocalModel(llm)
-        info = model.model_info(max_waiting, "").SerializeToString()
+        info = model.model_info(1, "").SerializeToString()  # max_waiting and replica_id: the front end's
         loaded = msg.Loaded(info, llm.tokenizer, llm.cfg, model.weight_path_rows(), os.getpid())
         loading.clear()
     except BaseException as e:
@@ -225,5 +227,5 @@ def main(sock, build: Callable, max_waiting: int, serve_while_warming: bool, log
         def report(warmup_s: float) -> str:
             llm.profile.add("warm-up: build the serving programs", warmup_s)
             return llm.profile.report(llm.engine.programs)
-    EngineWorker(sock, llm.engine, serve_while_warming, model.check_structured, report).run()
+    EngineWorker(sock, llm.engine, model.check_structured, report).run()
     sock.close()

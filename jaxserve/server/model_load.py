@@ -9,7 +9,7 @@ import time
 log = logging.getLogger("jaxserve.server")
 
 
-def load_llm(args, group=None, profile=None):
+def load_llm(args, group=None):
     """The LLM of `jaxserve serve`'s flags; group: this process's ``multihost`` replica group
     (joined here, before the devices are used), None for one process."""
     from jaxserve.cli_args import engine_kwargs, ensure_cpu_devices, with_default_config
@@ -22,7 +22,7 @@ def load_llm(args, group=None, profile=None):
     from jaxserve.llm import LLM
     from jaxserve.startup_profile import StartupProfile
 
-    profile = profile or StartupProfile(getattr(args, "started", t0))
+    profile = StartupProfile(getattr(args, "started", t0))
     profile.add("imports (jax, jaxserve)", time.perf_counter() - t0)
     if group is None:
         kwargs = with_program_cache(with_default_config(args, engine_kwargs(args)))

@@ -22,8 +22,9 @@ class ProcessEngineLoop:
     socket, frame reader and pending results)."""
 
     def __init__(self, process, metrics, loop: asyncio.AbstractEventLoop, on_ready, on_failed, on_lost,
-                 on_progress=None):
+                 on_progress=None, serve_while_warming: bool = False):
         self.process, self.metrics, self.loop = process, metrics, loop
+        self.serve_while_warming = serve_while_warming
         self.streams = StreamTable(metrics)
         self._on_ready, self._on_failed, self._on_lost, self._on_progress = on_ready, on_failed, on_lost, on_progress
         self.kv_pages = (0, 0, 0)
@@ -33,7 +34,7 @@ class ProcessEngineLoop:
 
     def start(self) -> None:
         self._reader.start()
-        self._send(msg.Start())
+        self._send(msg.Start(self.serve_while_warming))
 
     def _send(self, message) -> bool:
         try:

@@ -30,7 +30,7 @@ def start(**engine):
     from jaxserve.server.limits import ServeLimits
     from jaxserve.testing import MockLLM
 
-    model = EngineProcess(functools.partial(MockLLM, **(MOCK_ENGINE | engine)), max_waiting=MAX_WAITING)
+    model = EngineProcess(functools.partial(MockLLM, **(MOCK_ENGINE | engine)))
     st = ServerThread(model, max_waiting=MAX_WAITING, replica_id="test-replica", limits=ServeLimits(**LIMITS),
                       http_port=0, served_model_name=MODEL_NAME).start()
     client = Client(st.target, timeout=60)
