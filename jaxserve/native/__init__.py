@@ -37,9 +37,11 @@ VNNI kernel at every row count measured, so int4 runs W4A8 unless JAXSERVE_NATIV
 Threads: a call's work is shared by the calling thread and either the library's own crew of
 helper threads, which poll for the next call for ``status().spin_us`` after each (100 us, where a
 probe at first use finds that two threads read memory at least 1.3x as fast as one;
-``JAXSERVE_NATIVE_SPIN_US`` sets it, 0 = no crew), or, without the crew or while another call has
-it, XLA's intra-op thread pool. A matmul whose stored weight bytes times rows is under
-``status().share_bytes`` (64 KiB with the crew, 1 MiB without; ``JAXSERVE_NATIVE_SHARE_BYTES``
+``JAXSERVE_NATIVE_SPIN_US`` sets it, 0 = no crew), or XLA's intra-op thread pool: without the
+crew, while another call has it, and for a call of at least ``status().pool_rows`` rows or
+queries (128; ``JAXSERVE_NATIVE_POOL_ROWS`` sets it): a prefill program keeps XLA's pool busy
+between its calls, and a polling crew would take a CPU from it. A matmul whose stored weight
+bytes times rows is under ``status().share_bytes`` (64 KiB with the crew, 1 MiB without; ``JAXSERVE_NATIVE_SHARE_BYTES``
 sets it, for measuring) runs on the calling thread alone: a sleeping pool thread takes about as
 long to wake as such a call takes. The bits do not depend on any of it.
 
@@ -94,6 +96,7 @@ class NativeStatus:
     amx_rows: dict | None = None  # isa "amx": family -> calls of at least that many rows run its AMX kernel
     share_bytes: int | None = None  # matmul calls with less work (weight bytes x rows) run on the calling thread
     spin_us: int | None = None  # the crew's helper threads poll this long between calls (0: no crew)
+    pool_rows: int | None = None  # calls of at least this many rows (queries) share XLA's pool, not the crew
 
 
 def _library_path() -> pathlib.Path | None:
@@ -146,13 +149,16 @@ def _load() -> NativeStatus:
     spin_us, probe = int(lib.jaxserve_native_spin_us()), float(lib.jaxserve_native_crew_probe())
     lib.jaxserve_native_share_bytes.restype = ctypes.c_int64
     share = int(lib.jaxserve_native_share_bytes())
+    lib.jaxserve_native_pool_rows.restype = ctypes.c_int64
+    pool_rows = int(lib.jaxserve_native_pool_rows())
     what = f"{ISA_NAMES[level]} kernels (cpuid)" + (
         "".join(f", AMX {f} from {r} rows" for f, r in amx_rows.items()) if amx_rows else "")
     what += f"; matmuls of under {share / 2**20:g} MiB of weight x rows on the calling thread"
     measured = f" (two threads read {probe:.2f}x one)" if probe else ""
-    what += (f"; helper threads poll {spin_us} us between calls{measured}" if spin_us
-             else f"; no polling helper threads{measured}")
-    return NativeStatus(True, f"loaded {path.name}, {what}", str(path), ISA_NAMES[level], amx_rows, share, spin_us)
+    what += (f"; helper threads poll {spin_us} us between calls{measured}, calls of >= {pool_rows} rows on "
+             f"XLA's pool" if spin_us else f"; no polling helper threads{measured}")
+    return NativeStatus(True, f"loaded {path.name}, {what}", str(path), ISA_NAMES[level], amx_rows, share, spin_us,
+                        pool_rows)
 
 
 def available() -> bool:

@@ -49,8 +49,12 @@ VNNI_ROWS = {"int4": 32, "int8": 32}
 MADD_ROWS = {"int4": 32, "int8": 8}
 # With AMX the tile kernels take calls of native.status().amx_rows[family] rows and more, the
 # decode kernels the fewer: they beat XLA's paths up to 64 rows (bf16 1.4x at 32, fp8 2.6x at
-# 64, int8 1.2x at 32-64), level or behind at 256, so XLA's take over above 64 (int4: W4A8, 32).
-AMX_MAX_ROWS = {"int4": 32, "fp8": 64, "fp8_block": 64, "bf16": 64, "int8": 64}
+# 64, int8 1.2x at 32-64), bf16 and fp8 level or behind at 256, so XLA's take over above 64
+# (int4: W4A8, 32). int8's W8A8 tiles serve every row count: with calls of many rows on XLA's
+# pool (the native library's PoolRows) they ran a SmolLM2 layer's matmuls 1.3-1.7x faster than
+# XLA's W8A8 dot from 64 to 768 rows, and an int8 prefill step of 8 x 96 tokens in 236 against
+# 271 ms (BENCHMARKS.md, "Prefill on the AMX tiles, and the helper threads out of its way").
+AMX_MAX_ROWS = {"int4": 32, "fp8": 64, "fp8_block": 64, "bf16": 64, "int8": ALL}
 # On AVX-512 without AMX, bf16 weights at least WIDE_N wide (a tied head) run the kernel's row
 # streams, which read the weight once for up to 16 rows: on a 576 x 49152 head (Zen 4, 2 cores)
 # 3.6-4.1 ms against XLA's 4.4-5.1 ms from 8 to 11 rows, level or behind from 12 (a verify call

@@ -150,10 +150,11 @@ def test_isa_cap_keeps_amx_off():
 
 
 def test_rows_rule_per_instruction_set(monkeypatch):
-    from jaxserve.quant.native_paths import AMX_MAX_ROWS, MAX_ROWS, ROWS_ENV, max_rows
+    from jaxserve.quant.native_paths import ALL, AMX_MAX_ROWS, MAX_ROWS, ROWS_ENV, max_rows
 
     monkeypatch.delenv(ROWS_ENV, raising=False)
     assert max_rows("amx") == AMX_MAX_ROWS and AMX_MAX_ROWS["bf16"] == 64 and AMX_MAX_ROWS["int4"] == 32
+    assert AMX_MAX_ROWS["int8"] == ALL  # the W8A8 tiles at every row count, prefill included
     assert max_rows("avx512-vnni") == {**MAX_ROWS, "int4": 32, "int8": 32}
     for isa in ("avx512", "avx2"):  # the AVX2 integer kernels
         assert max_rows(isa) == {**MAX_ROWS, "int4": 32, "int8": 8}
@@ -176,6 +177,11 @@ def test_registry_names_the_tile_kernels_and_keeps_every_row_native():
     for rows, native_call in ((1, True), (amx_rows, True), (64, True), (65, False)):
         text = jax.jit(PATHS[("bf16", "cpu")].dense).lower(jnp.zeros((rows, 64), jnp.float32), qw).as_text()
         assert ("jaxserve_bf16_w16a32" in text) == native_call, rows
+    q8 = quantize(rand((64, 48), seed=2), "int8")
+    for rows in (1, 65, 768):  # int8: the W8A8 tiles at every row count (a prefill step's 768)
+        text = jax.jit(PATHS[("int8", "cpu")].dense).lower(jnp.zeros((rows, 64), jnp.float32), q8).as_text()
+        assert "jaxserve_int8_w8a16" in text, rows
+    assert PATHS[("int8", "cpu")].numerics.startswith("all rows: native kernels")
     cap = amx_rows - 1  # JAXSERVE_NATIVE_ROWS=bf16=<below the tiles' rows>: the decode kernel alone
     capped = native_path("bf16", XLA_PATHS[("bf16", "cpu")], cap, "amx", amx_rows)
     assert capped.name == "cpu:native-bf16-w16a32" and "more rows: cpu:bf16-dot" in capped.numerics

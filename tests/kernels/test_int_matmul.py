@@ -218,8 +218,11 @@ def test_the_avx2_kernels_pass_and_match_vnni_to_the_bit(tmp_path):
 @pytest.mark.parametrize("env", [{"JAXSERVE_NATIVE_THREADS": "1"},
                                  {"JAXSERVE_NATIVE_SHARE_BYTES": "1", "JAXSERVE_NATIVE_SPIN_US": "0"},
                                  {"JAXSERVE_NATIVE_SHARE_BYTES": "1", "JAXSERVE_NATIVE_SPIN_US": "100",
-                                  "JAXSERVE_NATIVE_THREADS": "2"}],
-                         ids=["one-thread", "every-call-shared-on-the-pool", "every-call-shared-with-the-crew"])
+                                  "JAXSERVE_NATIVE_THREADS": "2"},
+                                 {"JAXSERVE_NATIVE_SHARE_BYTES": "1", "JAXSERVE_NATIVE_SPIN_US": "100",
+                                  "JAXSERVE_NATIVE_THREADS": "2", "JAXSERVE_NATIVE_POOL_ROWS": "1"}],
+                         ids=["one-thread", "every-call-shared-on-the-pool", "every-call-shared-with-the-crew",
+                              "every-call-on-the-pool-beside-the-crew"])
 def test_the_thread_count_does_not_change_a_bit(tmp_path, env):
     """W4A8 and W8A8 split K into chunks that threads claim as they come; the chunks' sums are
     added in a fixed order, so one thread (JAXSERVE_NATIVE_THREADS=1, a subprocess) gives the
@@ -227,7 +230,8 @@ def test_the_thread_count_does_not_change_a_bit(tmp_path, env):
     little work run on the caller alone by default; JAXSERVE_NATIVE_SHARE_BYTES=1 shares every
     call over the threads, with the same bits, whether XLA's pool lends them
     (JAXSERVE_NATIVE_SPIN_US=0) or the library's own polling crew does (two threads, one helper,
-    even on a machine where the probe would leave the crew off)."""
+    even on a machine where the probe would leave the crew off), and when calls of many rows go
+    to the pool beside a crew (JAXSERVE_NATIVE_POOL_ROWS=1: every call)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = ("import numpy as np\nfrom tests.kernels.test_int_matmul import bit_cases\n"
             f"np.savez({str(tmp_path / 'other.npz')!r}, *bit_cases())")
@@ -244,18 +248,21 @@ def test_the_crew_is_what_the_settings_say():
     and unset a probe decides and the status says what it measured (subprocesses: the choice is
     made once per process)."""
     code = ("import json\nfrom jaxserve import native\n"
-            "s = native.status()\nprint(json.dumps([s.spin_us, s.share_bytes, s.reason]))")
+            "s = native.status()\nprint(json.dumps([s.spin_us, s.share_bytes, s.reason, s.pool_rows]))")
 
     def status(**env):
         env = {k: v for k, v in os.environ.items() if not k.startswith("JAXSERVE_NATIVE")} | env
         out = subprocess.run([sys.executable, "-c", code], env={**env, "JAX_PLATFORMS": "cpu"}, timeout=120,
                              capture_output=True, text=True, check=True).stdout
-        return json.loads(out.strip().splitlines()[-1])
+        return json.loads(out.strip().splitlines()[-1])[:3]
 
     spin, share, reason = status(JAXSERVE_NATIVE_SPIN_US="0")
     assert (spin, share) == (0, 1 << 20) and "no polling helper threads" in reason, reason
     spin, share, reason = status(JAXSERVE_NATIVE_SPIN_US="250", JAXSERVE_NATIVE_THREADS="2")
     assert (spin, share) == (250, 64 << 10) and "helper threads poll 250 us" in reason, reason
+    assert "calls of >= 128 rows on XLA's pool" in reason, reason  # prefill's calls stay off the crew
+    _, _, reason = status(JAXSERVE_NATIVE_SPIN_US="250", JAXSERVE_NATIVE_THREADS="2", JAXSERVE_NATIVE_POOL_ROWS="4096")
+    assert "calls of >= 4096 rows on XLA's pool" in reason, reason
     spin, _, reason = status(JAXSERVE_NATIVE_THREADS="1")
     assert spin == 0 and "two threads read" not in reason, reason  # nothing to share: no probe
     spin, share, reason = status()
@@ -270,7 +277,7 @@ def bit_cases():
     """The integer kernels' outputs on a few odd shapes, as numpy arrays."""
     out = []
     for fmt, (m, k, n) in [("int4:g32", (3, 1000, 200)), ("int4:g128", (9, 130, 300)), ("int8", (5, 1027, 65)),
-                           ("int4:g32", (7, 1536, 2000)), ("int8", (6, 16400, 70))]:
+                           ("int4:g32", (7, 1536, 2000)), ("int8", (6, 16400, 70)), ("int8", (200, 576, 300))]:
         qw = quantize(rand((k, n), seed=k + n, scale=0.05), fmt)
         out.append(np.asarray(jax.jit(KERNELS[fmt.split(":")[0]][1])(jnp.asarray(rand((m, k), seed=m)), qw)))
     return out

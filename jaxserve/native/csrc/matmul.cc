@@ -120,12 +120,15 @@ namespace {
 // A call of M rows against `bytes` of stored weight runs on the calling thread alone when its
 // work is under ShareBytes() (parallel.h).
 bool Small(int64_t bytes, int64_t M) { return bytes * std::max<int64_t>(M, 1) < ShareBytes(); }
+// A call of at least PoolRows() rows shares XLA's pool, not the crew (parallel.h).
+bool Many(int64_t M) { return M >= PoolRows(); }
 
 }  // namespace
 
 void Int4Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t Kp, const uint8_t* w, int64_t N,
               const float* s, int64_t G, float* y) {
   OnCaller caller(Small(Kp / 2 * N + Kp / G * N * 4, M));
+  OnPool on_pool(Many(M));
   if (UseAmx(kInt4, M))
     avx512::amx::RunInt4(pool, x, M, Kp, w, N, s, G, y);
   else if (IsaLevel() >= 3)
@@ -137,6 +140,7 @@ void Int4Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t Kp, cons
 void Int8Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const int8_t* w, int64_t N,
               const float* s, float* y) {
   OnCaller caller(Small(K * N + 4 * N, M));
+  OnPool on_pool(Many(M));
   if (UseAmxInt8(M, K))
     avx512::amx::RunW8A8(pool, x, M, K, w, N, s, y);
   else if (IsaLevel() >= 3)
@@ -148,6 +152,7 @@ void Int8Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const
 void Fp8Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
              const float* s, int64_t bk, int64_t bn, float* y) {
   OnCaller caller(Small(K * N, M));
+  OnPool on_pool(Many(M));
   if (UseAmx(kFp8, M))
     avx512::amx::RunFp8(pool, x, M, K, w, N, s, bk, bn, y);
   else
@@ -156,6 +161,7 @@ void Fp8Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const 
 
 void Bf16Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
   OnCaller caller(Small(2 * K * N, M));
+  OnPool on_pool(Many(M));
   if (UseAmx(kBf16, M))
     avx512::amx::RunBf16(pool, x, M, K, w, N, y);
   else if (IsaLevel() >= 2)
@@ -166,11 +172,13 @@ void Bf16Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const
 
 void F32Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y) {
   OnCaller caller(Small(4 * K * N, M));
+  OnPool on_pool(Many(M));
   JAXSERVE_ISA(RunF32(pool, x, M, K, w, N, y));
 }
 
 void ExactRows(ffi::ThreadPool& pool, const int8_t* x, int64_t M, int64_t K, const int8_t* w, int64_t N, int32_t* y) {
   OnCaller caller(Small(K * N, M));
+  OnPool on_pool(Many(M));
   if (UseAmx(kInt8, M))  // exact int32 (modulo 2^32) on either kernel, whatever K
     avx512::amx::RunExact(pool, x, M, K, w, N, y);
   else if (IsaLevel() >= 3)
@@ -191,6 +199,8 @@ extern "C" int64_t jaxserve_native_share_bytes() { return jaxserve_native::Share
 // probe's ratio behind that choice (0: not measured; parallel.h).
 extern "C" int64_t jaxserve_native_spin_us() { return jaxserve_native::SpinNs() / 1000; }
 extern "C" double jaxserve_native_crew_probe() { return jaxserve_native::CrewProbe(); }
+// Calls of at least this many rows (queries) share XLA's pool, never the crew (parallel.h).
+extern "C" int64_t jaxserve_native_pool_rows() { return jaxserve_native::PoolRows(); }
 // The fewest rows a call of format f (0 bf16, 1 int8, 2 int4, 3 fp8) needs to run on the AMX
 // kernels (where the level is 4; 1 << 30: never).
 extern "C" int jaxserve_native_amx_rows(int f) { return int(AmxRows(std::clamp(f, 0, kFormats - 1))); }

@@ -198,8 +198,20 @@ int64_t ShareBytes() {
 OnCaller::OnCaller(bool on) : was_(on_caller) { on_caller = was_ || on; }
 OnCaller::~OnCaller() { on_caller = was_; }
 
+namespace {
+thread_local bool on_pool = false;
+}  // namespace
+
+OnPool::OnPool(bool on) : was_(on_pool) { on_pool = was_ || on; }
+OnPool::~OnPool() { on_pool = was_; }
+
+int64_t PoolRows() {
+  static const int64_t rows = EnvInt("JAXSERVE_NATIVE_POOL_ROWS", kPoolRows);
+  return rows;
+}
+
 void ParallelFor(ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> fn) {
-  Crew* crew = on_caller ? nullptr : TheCrew();
+  Crew* crew = on_caller || on_pool ? nullptr : TheCrew();
   int64_t threads = on_caller ? 1 : std::min(crew ? ThreadCap() : std::min(pool.num_threads(), ThreadCap()), total);
   if (threads <= 1) {
     for (int64_t i = 0; i < total; ++i) fn(i);

@@ -52,4 +52,23 @@ class OnCaller {
   bool was_;
 };
 
+// While alive and `on`, ParallelFor calls made on this thread share XLA's pool, never the crew
+// (scopes nest). The matmuls and attention set it for calls of at least PoolRows() rows
+// (queries): the programs that make them (prefill) run their other ops on XLA's pool too, and
+// a crew thread polling between such calls takes a CPU those ops want (an int8 prefill step
+// 236 against 292 ms: BENCHMARKS.md, "Prefill on the AMX tiles, and the helper threads out of
+// its way"). PoolRows(): JAXSERVE_NATIVE_POOL_ROWS, else kPoolRows.
+class OnPool {
+ public:
+  explicit OnPool(bool on);
+  ~OnPool();
+  OnPool(const OnPool&) = delete;
+  OnPool& operator=(const OnPool&) = delete;
+
+ private:
+  bool was_;
+};
+constexpr int64_t kPoolRows = 128;
+int64_t PoolRows();
+
 }  // namespace jaxserve_native
