@@ -99,6 +99,7 @@ def run_case(fmt: str, case, seed: int = 0, bad_page: bool = False):
     got = np.asarray(got)
     valid = np.arange(t)[None, :] < new[:, None]  # padding queries' outputs are discarded
     assert np.isfinite(got[valid]).all()
+    assert not got[~valid].any()  # ... and not computed: zeros
     np.testing.assert_allclose(got[valid], want[valid], rtol=0, atol=2e-5 * max(1.0, np.abs(want).max()))
 
 

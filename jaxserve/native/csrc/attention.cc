@@ -118,10 +118,16 @@ void GqaRun(ffi::ThreadPool& pool, const PagedKv& kv) {
     thread_local Scratch sc;
     const int64_t b = i / per_row, h = i % per_row / tiles, t0 = i % tiles * kItemQueries;
     const int64_t t1 = std::min(kv.T, t0 + kItemQueries);
+    // Queries past the row's new tokens are padding (a prefill step's rows share one length):
+    // their outputs are zeros, not computed.
+    const int64_t real = std::clamp<int64_t>(kv.news[b], t0, t1);
+    for (int64_t t = real; t < t1; ++t)
+      std::memset(kv.out + ((b * kv.T + t) * kv.H + h * kv.G) * kv.D, 0, kv.G * kv.D * sizeof(float));
+    if (real == t0) return;
     if (wide)
-      avx512::GqaItem(kv, b, h, t0, t1, sc);
+      avx512::GqaItem(kv, b, h, t0, real, sc);
     else
-      avx2::GqaItem(kv, b, h, t0, t1, sc);
+      avx2::GqaItem(kv, b, h, t0, real, sc);
   };
   // Small calls (a decode row over a short context) stay on the calling thread: handing an
   // item to another thread costs more than the item.
