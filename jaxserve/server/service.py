@@ -83,7 +83,7 @@ class JaxServeService(pb_grpc.JaxServeServicer):
             outcome = self._cancel_outcome(context)
             raise
         except Exception as e:
-            if self._client_gone(context, "Generate", e):
+            if await self._client_gone(context, "Generate", e):
                 outcome = "cancelled"
                 return None
             log.exception("Generate failed")
@@ -125,14 +125,12 @@ class JaxServeService(pb_grpc.JaxServeServicer):
                     outcome = reason if i == 0 else outcome
                     last = out.end(i) if out else None
                     if last:  # the parsed message's last pieces, held back until the end
-                        await context.write(pb.GenerateStreamResponse(delta=pb.TokenDelta(index=i, **last)))
+                        await self._write(stream, context, pb.GenerateStreamResponse(delta=pb.TokenDelta(index=i, **last)))
                     code = convert.FINISH_REASONS[reason]
                     msg = pb.GenerateStreamResponse(end=pb.StreamEnd(
                         finish_reason=out.reason(i, code) if out else code, usage=convert.usage(usage),
                         timing=convert.timing(ttft, total), index=i))
-                stream.writing_since = time.monotonic()
-                await context.write(msg)
-                stream.writing_since = None
+                await self._write(stream, context, msg)
         except ServeError as e:
             outcome = e.outcome
             closed = self._close(stream, rpc, outcome)  # counted before the client sees the status
@@ -149,7 +147,8 @@ class JaxServeService(pb_grpc.JaxServeServicer):
             context.set_details(f"no stream event read for {self.core.limits.stream_idle_timeout_s:g}s; "
                                 f"cancelled (--stream-idle-timeout)")
         except Exception as e:
-            if self._client_gone(context, rpc, e):  # a write to a client that has left
+            writing = stream is not None and stream.writing_since is not None
+            if await self._client_gone(context, rpc, e, wait_s=1.0 if writing else 0.0):  # a write to a client that has left
                 outcome = "cancelled"
                 return
             log.exception("%s failed", rpc)
@@ -242,12 +241,28 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         return "deadline_exceeded" if remaining is not None and remaining < 0.05 else "cancelled"
 
     @staticmethod
-    def _client_gone(context, rpc: str, error: Exception) -> bool:
+    async def _write(stream: RequestStream, context, msg) -> None:
+        """One stream message; ``stream.writing_since`` says since when the write has waited
+        (for ``watch_unread``, and to tell a failed write from any other failure)."""
+        stream.writing_since = time.monotonic()
+        await context.write(msg)
+        stream.writing_since = None
+
+    @staticmethod
+    async def _client_gone(context, rpc: str, error: Exception, wait_s: float = 0.0) -> bool:
         """An exception raised because the client has gone (grpc fails the write or the
         status it could no longer receive, sometimes before it cancels the handler): the
-        outcome is ``cancelled``, logged once at INFO when the call is closed, no traceback."""
-        if not context.cancelled():
-            return False
+        outcome is ``cancelled``, logged once at INFO when the call is closed, no traceback.
+        ``wait_s``: how long to wait for grpc to mark the call cancelled (a failed write can
+        come before the cancellation does)."""
+        deadline = time.monotonic() + wait_s
+        try:
+            while not context.cancelled():
+                if time.monotonic() >= deadline:
+                    return False
+                await asyncio.sleep(0.01)
+        except asyncio.CancelledError:  # grpc cancelled the handler while it waited: gone
+            asyncio.current_task().uncancel()
         log.debug("%s: the client went away (%s: %s)", rpc, type(error).__name__, error)
         return True
 

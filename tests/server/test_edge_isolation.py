@@ -201,21 +201,44 @@ def _blocked_writers(served) -> int:
     return sum(s.writing_since is not None for s in list(served.server.service.active.values()))
 
 
-def test_generate_streams_whose_clients_never_read_and_close_are_cancelled_not_internal(served, caplog):
-    """Clients that open a stream, read nothing and close: each stream's write waits for the
-    client's flow-control window (20 log-probs a token fill it), then the channel goes away."""
-    req = build_request([40000], max_tokens=240, ignore_eos=True, logprobs=20)  # ids of three varint bytes
+@pytest.fixture(scope="module")
+def roomy():
+    """A mock server whose pool holds six streams of 1,000 tokens at once and whose stream
+    idle timeout (30 s) outlasts the test, so the six writers block together on their
+    clients' windows and stay blocked until the clients close."""
+    from jaxserve.client import Client
+    from jaxserve.server.app import ServerThread
+    from jaxserve.server.limits import ServeLimits
+    from jaxserve.testing import MockLLM
+
+    from .conftest import MOCK_ENGINE, Served
+
+    llm = MockLLM(**(MOCK_ENGINE | dict(num_pages=1024, max_model_len=1024)))
+    st = ServerThread(llm, limits=ServeLimits(**(LIMITS | dict(stream_idle_timeout_s=30.0))), http_port=0).start()
+    st.wait_ready()
+    client = Client(st.target, timeout=60)
+    yield Served(st, client, {})
+    client.close()
+    st.stop()
+
+
+def test_generate_streams_whose_clients_never_read_and_close_are_cancelled_not_internal(roomy, caplog):
+    """Six clients that open a stream, read nothing and close: each stream's write waits for the
+    client's flow-control window (1,000 tokens of 20 log-probs, ~245 kB, fill its 64 kB), then
+    the channel goes away: cancelled, no traceback, even when grpc fails the write before it
+    marks the call cancelled."""
+    req = build_request([40000], max_tokens=1000, ignore_eos=True, logprobs=20)  # ids of three varint bytes
     with caplog.at_level(logging.INFO, logger="jaxserve.server"):
         channels = []
-        for _ in range(3):
-            channel = grpc.insecure_channel(served.target, options=[("grpc.http2.bdp_probe", 0)])
+        for _ in range(6):
+            channel = grpc.insecure_channel(roomy.target, options=[("grpc.http2.bdp_probe", 0)])
             channels.append((channel, channel.unary_stream("/jaxserve.v1.JaxServe/GenerateStream",
                                                            request_serializer=pb.GenerateRequest.SerializeToString)(
                 req, timeout=30)))
-        assert eventually(lambda: _blocked_writers(served) == 3, 20)
+        assert eventually(lambda: _blocked_writers(roomy) == 6, 20)
         for channel, _ in channels:
             channel.close()
-        assert served.eventually_idle()
+        assert roomy.eventually_idle()
     outcomes = [r.getMessage() for r in caplog.records if "GenerateStream request=" in r.getMessage()]
-    assert len(outcomes) == 3 and all("outcome=cancelled" in m for m in outcomes), outcomes
+    assert len(outcomes) == 6 and all("outcome=cancelled" in m for m in outcomes), outcomes
     assert not no_errors_logged(caplog)
