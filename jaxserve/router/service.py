@@ -21,7 +21,7 @@ from jaxserve.router.affinity import two_choices
 from jaxserve.router.flows import Dispatcher, no_worker
 from jaxserve.router.pool import Attempt, Worker
 from jaxserve.router.relay import Route, WorkerError, call_unary, collect_response
-from jaxserve.server import convert, errors
+from jaxserve.server import call_ends, convert, errors
 from jaxserve.server.auth import API_KEY_HEADER, AUTH_HEADER, ApiKeys
 from jaxserve.server.errors import ServeError
 from jaxserve.server.limits import ServeLimits, StreamSlots, watch_unread
@@ -85,11 +85,6 @@ class RouterService(pb_grpc.JaxServeServicer):
                  (route.session_id or "-") if route else "-",
                  route.worker.address if route and route.worker else "-", outcome)
 
-    @staticmethod
-    def _cancel_outcome(context) -> str:
-        remaining = context.time_remaining()
-        return "deadline_exceeded" if remaining is not None and remaining < 0.05 else "cancelled"
-
     async def Generate(self, request, context):
         route, outcome, events = None, "internal", None
         try:
@@ -105,7 +100,7 @@ class RouterService(pb_grpc.JaxServeServicer):
             route = None
             await context.abort(e.code, e.message, e.trailing_metadata())
         except asyncio.CancelledError:
-            outcome = self._cancel_outcome(context)
+            outcome = call_ends.cancel_outcome(context)
             raise
         except Exception as e:
             log.exception("Generate failed")
@@ -141,9 +136,7 @@ class RouterService(pb_grpc.JaxServeServicer):
                     first = False
                 if msg.WhichOneof("event") == "end":
                     outcome = self._reason(msg.end)
-                route.writing_since = time.monotonic()
-                await context.write(msg)
-                route.writing_since = None
+                await call_ends.write(route, context, msg)
         except ServeError as e:
             outcome = e.outcome
             self._finish(route, "GenerateStream", outcome)
@@ -151,13 +144,16 @@ class RouterService(pb_grpc.JaxServeServicer):
             await context.abort(e.code, e.message, e.trailing_metadata())
         except (asyncio.CancelledError, GeneratorExit):
             if route is None or not route.unread:
-                outcome = self._cancel_outcome(context)
+                outcome = call_ends.cancel_outcome(context)
                 raise
             asyncio.current_task().uncancel()  # cancelled by watch_unread: see server/service.py
             outcome = "unread_timeout"
             context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
             context.set_details(f"no stream event read for {self.limits.stream_idle_timeout_s:g}s; cancelled")
         except Exception as e:
+            if await call_ends.client_gone(context, "GenerateStream", e, call_ends.failed_write_wait(route)):
+                outcome = "cancelled"
+                return
             log.exception("GenerateStream failed")
             self._finish(route, "GenerateStream", "internal")
             route = None

@@ -16,7 +16,7 @@ import uuid
 import grpc
 
 from jaxserve.disagg.role import WorkerRole
-from jaxserve.server import convert, errors, grpc_agents
+from jaxserve.server import call_ends, convert, errors, grpc_agents
 from jaxserve.server.agent_plan import AgentFront
 from jaxserve.server.core import ServingCore
 from jaxserve.server.engine_loop import RequestStream
@@ -80,10 +80,10 @@ class JaxServeService(pb_grpc.JaxServeServicer):
             closed = self._close(stream, "Generate", outcome)  # counted before the client sees the status
             await context.abort(e.code, e.message, e.trailing_metadata())
         except asyncio.CancelledError:
-            outcome = self._cancel_outcome(context)
+            outcome = call_ends.cancel_outcome(context)
             raise
         except Exception as e:
-            if await self._client_gone(context, "Generate", e):
+            if await call_ends.client_gone(context, "Generate", e):
                 outcome = "cancelled"
                 return None
             log.exception("Generate failed")
@@ -125,19 +125,19 @@ class JaxServeService(pb_grpc.JaxServeServicer):
                     outcome = reason if i == 0 else outcome
                     last = out.end(i) if out else None
                     if last:  # the parsed message's last pieces, held back until the end
-                        await self._write(stream, context, pb.GenerateStreamResponse(delta=pb.TokenDelta(index=i, **last)))
+                        await call_ends.write(stream, context, pb.GenerateStreamResponse(delta=pb.TokenDelta(index=i, **last)))
                     code = convert.FINISH_REASONS[reason]
                     msg = pb.GenerateStreamResponse(end=pb.StreamEnd(
                         finish_reason=out.reason(i, code) if out else code, usage=convert.usage(usage),
                         timing=convert.timing(ttft, total), index=i))
-                await self._write(stream, context, msg)
+                await call_ends.write(stream, context, msg)
         except ServeError as e:
             outcome = e.outcome
             closed = self._close(stream, rpc, outcome)  # counted before the client sees the status
             await context.abort(e.code, e.message, e.trailing_metadata())
         except (asyncio.CancelledError, GeneratorExit):
             if stream is None or not stream.unread:
-                outcome = self._cancel_outcome(context)
+                outcome = call_ends.cancel_outcome(context)
                 raise
             # Cancelled by watch_unread: the status waits behind the unread messages (abort
             # would block on them), so it is set and the handler returns at once.
@@ -147,8 +147,7 @@ class JaxServeService(pb_grpc.JaxServeServicer):
             context.set_details(f"no stream event read for {self.core.limits.stream_idle_timeout_s:g}s; "
                                 f"cancelled (--stream-idle-timeout)")
         except Exception as e:
-            writing = stream is not None and stream.writing_since is not None
-            if await self._client_gone(context, rpc, e, wait_s=1.0 if writing else 0.0):  # a write to a client that has left
+            if await call_ends.client_gone(context, rpc, e, call_ends.failed_write_wait(stream)):
                 outcome = "cancelled"
                 return
             log.exception("%s failed", rpc)
@@ -232,39 +231,6 @@ class JaxServeService(pb_grpc.JaxServeServicer):
         self._close(stream, rpc, outcome)
 
     terminal = staticmethod(terminal)  # public: a terminal event -> (reason, usage, ttft, total), or its ServeError
-
-    @staticmethod
-    def _cancel_outcome(context) -> str:
-        # The client's own deadline timer usually cancels the call a moment before the
-        # server's fires, so "expired" allows a little slack.
-        remaining = context.time_remaining()
-        return "deadline_exceeded" if remaining is not None and remaining < 0.05 else "cancelled"
-
-    @staticmethod
-    async def _write(stream: RequestStream, context, msg) -> None:
-        """One stream message; ``stream.writing_since`` says since when the write has waited
-        (for ``watch_unread``, and to tell a failed write from any other failure)."""
-        stream.writing_since = time.monotonic()
-        await context.write(msg)
-        stream.writing_since = None
-
-    @staticmethod
-    async def _client_gone(context, rpc: str, error: Exception, wait_s: float = 0.0) -> bool:
-        """An exception raised because the client has gone (grpc fails the write or the
-        status it could no longer receive, sometimes before it cancels the handler): the
-        outcome is ``cancelled``, logged once at INFO when the call is closed, no traceback.
-        ``wait_s``: how long to wait for grpc to mark the call cancelled (a failed write can
-        come before the cancellation does)."""
-        deadline = time.monotonic() + wait_s
-        try:
-            while not context.cancelled():
-                if time.monotonic() >= deadline:
-                    return False
-                await asyncio.sleep(0.01)
-        except asyncio.CancelledError:  # grpc cancelled the handler while it waited: gone
-            asyncio.current_task().uncancel()
-        log.debug("%s: the client went away (%s: %s)", rpc, type(error).__name__, error)
-        return True
 
     def _close(self, stream: RequestStream | None, rpc: str, outcome: str) -> bool:
         return self.core.finish(stream, rpc, outcome)

@@ -194,3 +194,32 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_worker_call_cancelled(fa
         assert eventually(lambda: not rt.router.service.active)
         assert metric(rt, "jaxserve_requests_total", rpc="GenerateStream", outcome="unread_timeout") == 1
         it.cancel()
+
+
+def test_clients_that_never_read_and_close_are_cancelled_not_internal(fake_loop, caplog):
+    """Six clients open a stream, read nothing and close while the router's writes wait on
+    their windows (64 kB a delta): each call is counted cancelled, with no traceback (grpc can
+    fail the write before it marks the call cancelled)."""
+    import logging
+
+    from jaxserve.client import build_request
+    from jaxserve.v1 import jaxserve_pb2 as pb
+
+    with routed(fake_loop, BOTH) as (rt, client, fakes), caplog.at_level(logging.INFO, logger="jaxserve.router"):
+        for f in fakes.values():
+            f.sw.delta_text_bytes = 64 << 10
+        channels = []
+        for k in range(6):
+            channel = grpc.insecure_channel(rt.target, options=[("grpc.http2.bdp_probe", 0)])
+            channels.append((channel, channel.unary_stream("/jaxserve.v1.JaxServe/GenerateStream",
+                                                           request_serializer=pb.GenerateRequest.SerializeToString)(
+                build_request(PROMPT, max_tokens=2000, request_id=f"closer-{k}"), timeout=30)))
+        routes = rt.router.service.active
+        assert eventually(lambda: sum(r.writing_since is not None for r in list(routes.values())) == 6, 20)
+        for channel, _ in channels:
+            channel.close()
+        assert eventually(lambda: not routes, 10)
+        assert eventually(lambda: all(w.in_flight == 0 for w in rt.router.pool.workers))
+        assert metric(rt, "jaxserve_requests_total", rpc="GenerateStream", outcome="cancelled") == 6
+    # (the fake workers are grpc's own async-generator handlers: grpc logs their cancelled writes)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("jaxserve")]
