@@ -136,7 +136,7 @@ void GqaRun(ffi::ThreadPool& pool, const PagedKv& kv) {
   if (keys * kv.KVH * kv.T * kv.G * kv.D < (int64_t(1) << 17)) {
     for (int64_t i = 0; i < kv.B * per_row; ++i) item(i);
   } else {
-    jaxserve_native::OnPool on_pool(kv.B * kv.T >= jaxserve_native::PoolRows());  // a prefill step's queries
+    jaxserve_native::RunOn run_on(false, kv.B * kv.T >= jaxserve_native::PoolRows());  // a prefill step's queries
     jaxserve_native::ParallelFor(pool, kv.B * per_row, item);
   }
 }

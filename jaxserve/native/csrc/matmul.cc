@@ -127,8 +127,7 @@ bool Many(int64_t M) { return M >= PoolRows(); }
 
 void Int4Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t Kp, const uint8_t* w, int64_t N,
               const float* s, int64_t G, float* y) {
-  OnCaller caller(Small(Kp / 2 * N + Kp / G * N * 4, M));
-  OnPool on_pool(Many(M));
+  RunOn run_on(Small(Kp / 2 * N + Kp / G * N * 4, M), Many(M));
   if (UseAmx(kInt4, M))
     avx512::amx::RunInt4(pool, x, M, Kp, w, N, s, G, y);
   else if (IsaLevel() >= 3)
@@ -139,8 +138,7 @@ void Int4Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t Kp, cons
 
 void Int8Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const int8_t* w, int64_t N,
               const float* s, float* y) {
-  OnCaller caller(Small(K * N + 4 * N, M));
-  OnPool on_pool(Many(M));
+  RunOn run_on(Small(K * N + 4 * N, M), Many(M));
   if (UseAmxInt8(M, K))
     avx512::amx::RunW8A8(pool, x, M, K, w, N, s, y);
   else if (IsaLevel() >= 3)
@@ -151,8 +149,7 @@ void Int8Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const
 
 void Fp8Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
              const float* s, int64_t bk, int64_t bn, float* y) {
-  OnCaller caller(Small(K * N, M));
-  OnPool on_pool(Many(M));
+  RunOn run_on(Small(K * N, M), Many(M));
   if (UseAmx(kFp8, M))
     avx512::amx::RunFp8(pool, x, M, K, w, N, s, bk, bn, y);
   else
@@ -160,8 +157,7 @@ void Fp8Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const 
 }
 
 void Bf16Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
-  OnCaller caller(Small(2 * K * N, M));
-  OnPool on_pool(Many(M));
+  RunOn run_on(Small(2 * K * N, M), Many(M));
   if (UseAmx(kBf16, M))
     avx512::amx::RunBf16(pool, x, M, K, w, N, y);
   else if (IsaLevel() >= 2)
@@ -171,14 +167,12 @@ void Bf16Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const
 }
 
 void F32Rows(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y) {
-  OnCaller caller(Small(4 * K * N, M));
-  OnPool on_pool(Many(M));
+  RunOn run_on(Small(4 * K * N, M), Many(M));
   JAXSERVE_ISA(RunF32(pool, x, M, K, w, N, y));
 }
 
 void ExactRows(ffi::ThreadPool& pool, const int8_t* x, int64_t M, int64_t K, const int8_t* w, int64_t N, int32_t* y) {
-  OnCaller caller(Small(K * N, M));
-  OnPool on_pool(Many(M));
+  RunOn run_on(Small(K * N, M), Many(M));
   if (UseAmx(kInt8, M))  // exact int32 (modulo 2^32) on either kernel, whatever K
     avx512::amx::RunExact(pool, x, M, K, w, N, y);
   else if (IsaLevel() >= 3)

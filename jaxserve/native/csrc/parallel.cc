@@ -183,6 +183,7 @@ double CrewProbe() { return Choice().probe; }
 
 namespace {
 thread_local bool on_caller = false;
+thread_local bool on_pool = false;
 
 Crew* TheCrew() {
   static Crew* crew = SpinNs() > 0 ? new Crew(ThreadCap() - 1, SpinNs()) : nullptr;  // SpinNs(): 0 on one CPU
@@ -195,15 +196,14 @@ int64_t ShareBytes() {
   return bytes;
 }
 
-OnCaller::OnCaller(bool on) : was_(on_caller) { on_caller = was_ || on; }
-OnCaller::~OnCaller() { on_caller = was_; }
-
-namespace {
-thread_local bool on_pool = false;
-}  // namespace
-
-OnPool::OnPool(bool on) : was_(on_pool) { on_pool = was_ || on; }
-OnPool::~OnPool() { on_pool = was_; }
+RunOn::RunOn(bool caller, bool pool) : was_caller_(on_caller), was_pool_(on_pool) {
+  on_caller = on_caller || caller;
+  on_pool = on_pool || pool;
+}
+RunOn::~RunOn() {
+  on_caller = was_caller_;
+  on_pool = was_pool_;
+}
 
 int64_t PoolRows() {
   static const int64_t rows = EnvInt("JAXSERVE_NATIVE_POOL_ROWS", kPoolRows);

@@ -15,8 +15,8 @@ int64_t ThreadCap();
 // fn(chunk) for chunk in [0, total), over the crew (if there is one and no other call has it)
 // or else the pool's threads, and the caller. Chunks are claimed
 // from an atomic counter; the caller works too and waits only for chunks already claimed, so a
-// task that starts late finds nothing left and nothing can deadlock. Inside an OnCaller scope
-// of this thread that is on, the caller runs every chunk itself.
+// task that starts late finds nothing left and nothing can deadlock. Inside a RunOn scope of
+// this thread with `caller` on, the caller runs every chunk itself.
 void ParallelFor(xla::ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> fn);
 
 // The least work (a matmul's stored weight bytes times its rows) worth sharing with other
@@ -40,33 +40,23 @@ constexpr double kCrewProbe = 1.3;
 int64_t SpinNs();
 double CrewProbe();  // the probe's ratio (two threads' read rate over one's), 0 if not measured
 
-// While alive and `on`, ParallelFor calls made on this thread run on it alone (scopes nest).
-class OnCaller {
+// Where ParallelFor calls made on this thread run while a RunOn is alive (scopes nest, each
+// keeping what an outer one set): `caller`, on the calling thread alone; `pool`, on XLA's pool,
+// never the crew. The matmuls and attention set `caller` for calls under ShareBytes() and `pool`
+// for calls of at least PoolRows() rows (queries): the programs that make them (prefill) run
+// their other ops on XLA's pool too, and a crew thread polling between such calls takes a CPU
+// those ops want (an int8 prefill step 236 against 292 ms: BENCHMARKS.md, "Prefill on the AMX
+// tiles, and the helper threads out of its way"). PoolRows(): JAXSERVE_NATIVE_POOL_ROWS, else
+// kPoolRows.
+class RunOn {
  public:
-  explicit OnCaller(bool on);
-  ~OnCaller();
-  OnCaller(const OnCaller&) = delete;
-  OnCaller& operator=(const OnCaller&) = delete;
+  RunOn(bool caller, bool pool);
+  ~RunOn();
+  RunOn(const RunOn&) = delete;
+  RunOn& operator=(const RunOn&) = delete;
 
  private:
-  bool was_;
-};
-
-// While alive and `on`, ParallelFor calls made on this thread share XLA's pool, never the crew
-// (scopes nest). The matmuls and attention set it for calls of at least PoolRows() rows
-// (queries): the programs that make them (prefill) run their other ops on XLA's pool too, and
-// a crew thread polling between such calls takes a CPU those ops want (an int8 prefill step
-// 236 against 292 ms: BENCHMARKS.md, "Prefill on the AMX tiles, and the helper threads out of
-// its way"). PoolRows(): JAXSERVE_NATIVE_POOL_ROWS, else kPoolRows.
-class OnPool {
- public:
-  explicit OnPool(bool on);
-  ~OnPool();
-  OnPool(const OnPool&) = delete;
-  OnPool& operator=(const OnPool&) = delete;
-
- private:
-  bool was_;
+  bool was_caller_, was_pool_;
 };
 constexpr int64_t kPoolRows = 128;
 int64_t PoolRows();
