@@ -151,7 +151,7 @@ class RouterService(pb_grpc.JaxServeServicer):
             context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
             context.set_details(f"no stream event read for {self.limits.stream_idle_timeout_s:g}s; cancelled")
         except Exception as e:
-            if await call_ends.client_gone(context, "GenerateStream", e, call_ends.failed_write_wait(route)):
+            if await call_ends.client_gone(context, "GenerateStream", e, route):
                 outcome = "cancelled"
                 return
             log.exception("GenerateStream failed")

@@ -25,23 +25,20 @@ def cancel_outcome(context) -> str:
 async def write(stream, context, msg) -> None:
     """One stream message; ``stream.writing_since`` (a RequestStream's or a router Route's)
     says since when the write has waited: ``limits.watch_unread`` reads it, and a failure
-    while it is set is a failed write (``client_gone``'s ``wait_s``)."""
+    while it is set is a failed write (``client_gone``)."""
     stream.writing_since = time.monotonic()
     await context.write(msg)
     stream.writing_since = None
 
 
-def failed_write_wait(stream) -> float:
-    """``client_gone``'s wait for an exception raised with ``stream`` (or None) mid-write."""
-    return WRITE_FAILURE_WAIT_S if stream is not None and stream.writing_since is not None else 0.0
-
-
-async def client_gone(context, rpc: str, error: Exception, wait_s: float = 0.0) -> bool:
+async def client_gone(context, rpc: str, error: Exception, stream=None) -> bool:
     """Whether ``error`` was raised because the client has gone (grpc fails the write or the
     status it could no longer receive, sometimes before it cancels the handler): the outcome
-    is then ``cancelled``, logged once at INFO when the call is closed, no traceback.
-    ``wait_s``: how long to wait for grpc to mark the call cancelled."""
-    deadline = time.monotonic() + wait_s
+    is then ``cancelled``, logged once at INFO when the call is closed, no traceback. If
+    ``stream`` was mid-``write``, up to WRITE_FAILURE_WAIT_S is waited for grpc to mark the
+    call cancelled."""
+    writing = stream is not None and stream.writing_since is not None
+    deadline = time.monotonic() + (WRITE_FAILURE_WAIT_S if writing else 0.0)
     try:
         while not context.cancelled():
             if time.monotonic() >= deadline:

@@ -147,7 +147,7 @@ class JaxServeService(pb_grpc.JaxServeServicer):
             context.set_details(f"no stream event read for {self.core.limits.stream_idle_timeout_s:g}s; "
                                 f"cancelled (--stream-idle-timeout)")
         except Exception as e:
-            if await call_ends.client_gone(context, rpc, e, call_ends.failed_write_wait(stream)):
+            if await call_ends.client_gone(context, rpc, e, stream):
                 outcome = "cancelled"
                 return
             log.exception("%s failed", rpc)

@@ -1,11 +1,13 @@
 """The router over colocated fake workers: relaying, affinity, retries, failure statuses,
 Abort and cancellation. Tokens are the fake model's, computed by hand (``expected_tokens``)."""
+import logging
 import time
 
 import grpc
 import pytest
 
-from jaxserve.client import finish_reason, retry_after_s
+from jaxserve.client import build_request, finish_reason, retry_after_s
+from jaxserve.v1 import jaxserve_pb2 as pb
 
 from .conftest import eventually, health, metric, routed, session_for
 from .fakes import expected_tokens, text_ids
